@@ -1,0 +1,71 @@
+"""The one module that knows which Pallas GPU backend runs our kernels.
+
+Every kernel template calls `pallas_call` from here instead of
+`jax.experimental.pallas.pallas_call`, so that selecting the backend
+(Triton today; JAX 0.9+ defaults GPU Pallas to Mosaic GPU), its compiler
+parameters and interpret mode live in one place. A Mosaic GPU template can
+later stand beside the Triton one by adding a branch here.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+BACKEND = "triton"
+
+
+def default_interpret() -> bool:
+  """Interpret mode when JAX's default backend is the CPU (tests, CI)."""
+  return jax.default_backend() == "cpu"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  return default_interpret() if interpret is None else bool(interpret)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  """Triton compiler parameters; passing them is what selects Triton."""
+  return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
+                num_stages: int, interpret: bool, name: str):
+  """`pl.pallas_call` on the Triton backend (or in interpret mode)."""
+  call = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      compiler_params=compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name=name,
+  )
+
+  @functools.wraps(call)
+  def run(*args):
+    with warnings.catch_warnings():
+      # JAX 0.11 warns at lowering that the Triton backend is deprecated; we
+      # select it on purpose and keep the choice in this module.
+      warnings.filterwarnings("ignore", message=".*[Tt]riton.*deprecat.*")
+      return call(*args)
+
+  return run
+
+
+def dot(a, b, *, trans_b: bool = False, fp32_exact: bool = False):
+  """Matrix product with float32 accumulation.
+
+  `fp32_exact` asks for IEEE float32 products (not TF32) when both operands
+  are float32, so that float32 inputs meet float32 tolerances on the GPU.
+  """
+  import jax.numpy as jnp
+  from jax import lax
+  dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
+  precision = lax.Precision.HIGHEST if fp32_exact else None
+  return lax.dot_general(a, b, dims, precision=precision,
+                         preferred_element_type=jnp.float32)

@@ -1,0 +1,68 @@
+"""Tile configurations for the kernel templates and their default heuristic."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Tiles and launch parameters of the parallel (flash-style) templates.
+
+  block_q: query rows per program; block_k: key rows per inner-loop step;
+  num_warps / num_stages: Triton launch and software-pipelining depth.
+  """
+  block_q: int = 128
+  block_k: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "AttentionConfig":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def next_power_of_2(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def clamp_block(block: int, length: int, minimum: int = 16) -> int:
+  """Shrinks a block to the (power-of-two padded) length for short sequences."""
+  return max(minimum, min(block, next_power_of_2(length)))
+
+
+def heuristic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
+  """A reasonable default without tuning (Hopper-class GPUs, Triton)."""
+  d = max(d_qk, d_v)
+  if d <= 64:
+    cfg = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
+  elif d <= 128:
+    cfg = AttentionConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
+  else:
+    cfg = AttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
+  return dataclasses.replace(
+      cfg,
+      block_q=clamp_block(cfg.block_q, seq_q),
+      block_k=clamp_block(cfg.block_k, seq_kv))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+  """Tiles of the chunked-recurrent (linear attention) templates.
+
+  chunk_size: tokens per chunk (intra-chunk part runs as dense matmuls);
+  block_v: Dv columns per program; num_warps / num_stages as above.
+  """
+  chunk_size: int = 64
+  block_v: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "LinearAttentionConfig":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
