@@ -1,0 +1,120 @@
+"""`pallas_attn.attention`: validation, analysis, padding and dispatch."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn.kernels import backend, parallel_forward, tiles
+from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _validate(q, k, v):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got shape "
+                       f"{getattr(x, 'shape', None)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  if not (q.shape[0] == k.shape[0] == v.shape[0]):
+    raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+  if k.shape[1] != v.shape[1]:
+    raise ValueError(f"k and v sequence lengths differ: k {k.shape}, v {v.shape}")
+  if k.shape[2] != v.shape[2]:
+    raise ValueError(f"k and v head counts differ: k {k.shape}, v {v.shape}")
+  if q.shape[3] != k.shape[3]:
+    raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
+                     f"({k.shape[2]}) for GQA/MQA")
+  if min(q.shape[1], k.shape[1]) == 0:
+    raise ValueError("sequence lengths must be positive")
+
+
+def padded_head_dim(d: int) -> int:
+  """Triton tiles are powers of two, at least 16 for the tensor cores."""
+  return max(16, next_power_of_2(d))
+
+
+def _pad_to(x, axis, length):
+  pad = length - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def resolve_config(config, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
+  """An explicit config, else a tuned one from the cache, else the heuristic."""
+  if isinstance(config, AttentionConfig):
+    return config
+  if config not in (None, "auto"):
+    raise TypeError(f"config must be an AttentionConfig, 'auto' or None; got {config!r}")
+  return heuristic_config(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+
+
+def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
+              block_mask=None, config=None, interpret=None, return_lse=False):
+  """Attention with a user-defined variant, as one fused Pallas kernel.
+
+  Layout as `jax.nn.dot_product_attention`: q `[B, Sq, Hq, Dqk]`, k
+  `[B, Skv, Hkv, Dqk]`, v `[B, Skv, Hkv, Dv]` -> `[B, Sq, Hq, Dv]` in q's
+  dtype; GQA/MQA when Hkv divides Hq (query head h reads kv head
+  `h // (Hq // Hkv)`).
+
+  Args:
+    score_mod: `(score, b, h, q_idx, kv_idx) -> score`, elementwise on the
+      scaled score `q.k * scale`; may close over arrays indexed by b, h,
+      q_idx, kv_idx.
+    mask_mod: `(b, h, q_idx, kv_idx) -> bool`, True keeps a position.
+    rownorm: "softmax", "sigmoid", "relu", "none", or a callable on a row
+      of scores (analyzed; it must be online-decomposable).
+    scale: defaults to `1 / sqrt(Dqk)`.
+    block_mask: a `BlockMask` from `pallas_attn.block_mask` for the same
+      mask_mod, reused across calls.
+    config: an `AttentionConfig`, "auto" or None (tuned cache entry if any,
+      else a heuristic).
+    interpret: None runs Pallas interpret mode on CPU and Triton on GPU.
+    return_lse: also return the row statistic `[B, Hq, Sq]` float32:
+      log-sum-exp for softmax, the divisor h(stats) for normalized
+      rownorms, None for elementwise rownorms.
+
+  Masked positions get weight 0 under every rownorm and add nothing to row
+  statistics; a row whose positions are all masked returns zeros (lse -inf).
+  """
+  _validate(q, k, v)
+  analysis = analyze_variant(score_mod, mask_mod, rownorm)
+  cfg = resolve_config(config, analysis, q, k, v)
+  out, stat = _attention_forward(q, k, v, analysis, cfg, scale,
+                                 backend.resolve_interpret(interpret))
+  if not return_lse:
+    return out
+  return out, (None if analysis.rownorm.kind == "elementwise" else stat)
+
+
+def _attention_forward(q, k, v, analysis, cfg, scale, interpret):
+  batch, seq_q, heads, d_qk = q.shape
+  seq_kv, d_v = k.shape[1], v.shape[3]
+  bq, bk = cfg.block_q, cfg.block_k
+  seq_q_pad, seq_kv_pad = -(-seq_q // bq) * bq, -(-seq_kv // bk) * bk
+  d_qk_pad, d_v_pad = padded_head_dim(d_qk), padded_head_dim(d_v)
+  qp = _pad_to(_pad_to(q, 1, seq_q_pad), 3, d_qk_pad)
+  kp = _pad_to(_pad_to(k, 1, seq_kv_pad), 3, d_qk_pad)
+  vp = _pad_to(_pad_to(v, 1, seq_kv_pad), 3, d_v_pad)
+  capture_arrays, operands = tiles.capture_operands(analysis, seq_q_pad, seq_kv_pad)
+  plan = parallel_forward.ForwardPlan(
+      analysis=analysis, operands=operands,
+      scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
+      seq_q=seq_q, seq_kv=seq_kv, block_q=bq, block_k=bk,
+      num_kv_blocks=seq_kv_pad // bk, group=heads // k.shape[2],
+      fp32_exact=q.dtype == jnp.float32, block_sparse=False)
+  out, stat = parallel_forward.forward(qp, kp, vp, capture_arrays, (), plan=plan,
+                                       config=cfg, interpret=interpret)
+  return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

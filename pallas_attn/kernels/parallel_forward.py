@@ -1,0 +1,164 @@
+"""The parallel (flash-style) forward template.
+
+One program per (q block, batch, query head) walks the kv blocks and folds
+each tile into the online row state of the variant's rownorm class. The
+analysis parameterizes everything variant-specific: score_mod and mask_mod
+are evaluated on tiles by the interpreter, captured arrays arrive as
+operands blocked by their addressing, and the rownorm class picks the
+online state. The `[Sq, Skv]` score matrix never exists in memory.
+
+Inputs are padded by the caller: sequence lengths to multiples of the
+blocks, head dims to powers of two. Kv blocks are visited in two loops: the
+ones known to need no masking, then the ones that do (the ragged tail, or
+every block when there is a mask_mod and no block mask). With a block mask,
+each q block visits only its listed kv blocks (see kernels/block_mask.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import backend, tiles
+from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
+from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.spec.analysis import VariantAnalysis
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan:
+  """Static parameters of one forward kernel instance."""
+  analysis: VariantAnalysis
+  operands: tuple       # tiles.CaptureOperand per captured array
+  scale: float
+  seq_q: int            # true lengths (before padding)
+  seq_kv: int
+  block_q: int
+  block_k: int
+  num_kv_blocks: int    # of the padded kv length
+  group: int            # query heads per kv head
+  fp32_exact: bool
+  block_sparse: bool    # kv blocks come from a block mask
+
+  @property
+  def online(self) -> OnlineRowNorm:
+    return OnlineRowNorm(self.analysis.rownorm, self.fp32_exact)
+
+  @property
+  def tile(self) -> tiles.TileContext:
+    return tiles.TileContext(self.analysis, self.operands, blocked="q")
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
+  n_caps = len(plan.operands)
+  cap_refs = refs[:n_caps]
+  rest = refs[n_caps:]
+  if plan.block_sparse:
+    (partial_num_ref, partial_idx_ref, full_num_ref, full_idx_ref,
+     o_ref, stat_ref) = rest
+  else:
+    o_ref, stat_ref = rest
+  qi, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = plan.block_q, plan.block_k
+  online, tile = plan.online, plan.tile
+  q = q_ref[...]
+  q_idx = tiles.tile_indices(qi * bq, bq, axis=0)
+  # Without score_mod or a logit pre-map, fold scale and log2(e) into one multiply.
+  fold = plan.analysis.score_mod is None and online.logits_are_scores()
+  qk_scale = plan.scale * LOG2E if fold else plan.scale
+
+  def fold_block(kv_block, state, masked: bool):
+    kv_start = pl.multiple_of(kv_block * bk, bk)
+    k = k_ref[pl.ds(kv_start, bk), :]
+    v = v_ref[pl.ds(kv_start, bk), :]
+    s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * qk_scale
+    kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
+    s = tile.score(s, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+    keep = None
+    if masked:
+      keep = tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+      if plan.seq_kv % bk:
+        in_bounds = kv_idx < plan.seq_kv
+        keep = in_bounds if keep is None else jnp.logical_and(keep, in_bounds)
+    return online.update(state, s, keep, v, log2_logits=s if fold else None)
+
+  state = online.init(bq, v_ref.shape[-1])
+  if plan.block_sparse:
+    def listed(idx_ref, masked):
+      return lambda j, st: fold_block(idx_ref[j], st, masked)
+    state = jax.lax.fori_loop(0, full_num_ref[0], listed(full_idx_ref, False), state)
+    state = jax.lax.fori_loop(0, partial_num_ref[0], listed(partial_idx_ref, True), state)
+  else:
+    num_unmasked = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // bk
+    state = jax.lax.fori_loop(
+        0, num_unmasked, functools.partial(fold_block, masked=False), state)
+    state = jax.lax.fori_loop(
+        num_unmasked, plan.num_kv_blocks, functools.partial(fold_block, masked=True), state)
+  out, stat = online.finalize(state)
+  o_ref[...] = out.astype(o_ref.dtype)
+  stat_ref[...] = stat[:, 0]
+
+
+def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
+            config: AttentionConfig, interpret: bool):
+  """Runs the forward kernel on padded inputs.
+
+  q `[B, Sq_pad, Hq, Dqk_pad]`, k `[B, Skv_pad, Hkv, Dqk_pad]`, v
+  `[B, Skv_pad, Hkv, Dv_pad]`. Returns (out `[B, Sq_pad, Hq, Dv_pad]`,
+  row statistic `[B, Hq, Sq_pad]` float32).
+  """
+  batch, seq_q_pad, heads, d_qk = q.shape
+  seq_kv_pad, d_v = k.shape[1], v.shape[-1]
+  bq, group = plan.block_q, plan.group
+  in_specs = [
+      pl.BlockSpec((None, bq, None, d_qk), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, seq_kv_pad, None, d_qk), lambda i, b, h: (b, 0, h // group, 0)),
+      pl.BlockSpec((None, seq_kv_pad, None, d_v), lambda i, b, h: (b, 0, h // group, 0)),
+  ]
+  in_specs += [tiles.capture_block_spec(op, x.shape, blocked="q", block=bq)
+               for op, x in zip(plan.operands, capture_arrays)]
+  if plan.block_sparse:
+    in_specs += block_mask_specs(block_mask_arrays)
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), q.dtype),
+      jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, bq, None, d_v), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+  ]
+  call = backend.pallas_call(
+      functools.partial(_forward_kernel, plan=plan),
+      out_shape=out_shape,
+      grid=(seq_q_pad // bq, batch, heads),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      num_warps=config.num_warps,
+      num_stages=config.num_stages,
+      interpret=interpret,
+      name="pallas_attn_forward",
+  )
+  return call(q, k, v, *capture_arrays, *block_mask_arrays)
+
+
+def block_mask_specs(arrays):
+  """BlockSpecs of the (num, indices) pairs of a block mask for grid (i, b, h).
+
+  Counts are `[B|1, H|1, nq]`, indices `[B|1, H|1, nq, nk]`; a size-1 batch
+  or head axis is broadcast.
+  """
+  specs = []
+  for x in arrays:
+    pick_b = (lambda b: b) if x.shape[0] > 1 else (lambda b: 0)
+    pick_h = (lambda h: h) if x.shape[1] > 1 else (lambda h: 0)
+    if x.ndim == 3:
+      specs.append(pl.BlockSpec(
+          (None, None, 1), lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i)))
+    else:
+      specs.append(pl.BlockSpec(
+          (None, None, None, x.shape[-1]),
+          lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i, 0)))
+  return specs

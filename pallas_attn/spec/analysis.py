@@ -1,0 +1,109 @@
+"""The analysis of a variant: what the kernel templates are parameterized by.
+
+`analyze_variant` traces score_mod, mask_mod and rownorm and returns one
+`VariantAnalysis`: the elementwise programs with their captured-array reads,
+which indices each depends on, whether score_mod uses the score or is a pure
+bias, and the rownorm class. Its fingerprint (a hash of the analyzed jaxprs
+and the captured arrays' shapes) keys the tuning cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_attn.spec import captures as captures_lib
+from pallas_attn.spec.rownorm import RowNorm, analyze_rownorm
+from pallas_attn.spec.trace import (ELEMENTWISE_PRIMITIVES, INDEX_PRIMITIVES,
+                                    SHAPE_PRIMITIVES, VariantError, trace)
+
+_ELEMENTWISE_ALLOWED = ELEMENTWISE_PRIMITIVES | SHAPE_PRIMITIVES | INDEX_PRIMITIVES
+_INDEX = jax.ShapeDtypeStruct((), jnp.int32)
+_SCORE = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantAnalysis:
+  score_mod: captures_lib.ElementwiseProgram | None
+  mask_mod: captures_lib.ElementwiseProgram | None
+  rownorm: RowNorm
+
+  @property
+  def score_uses_score(self) -> bool:
+    return self.score_mod is not None and "score" in self.score_mod.deps
+
+  @property
+  def mask_deps(self) -> frozenset:
+    """Indices the mask depends on ('b', 'h', 'q', 'kv')."""
+    return frozenset() if self.mask_mod is None else self.mask_mod.deps
+
+  def fingerprint(self) -> str:
+    """Stable hash of the analyzed programs (not of captured values)."""
+    h = hashlib.sha256()
+    for part in (self.score_mod, self.mask_mod):
+      if part is None:
+        h.update(b"none;")
+        continue
+      h.update(str(part.traced.jaxpr).encode())
+      for c in part.traced.consts:
+        h.update(f"{np.shape(c)}{jnp.result_type(c)};".encode())
+    h.update(self.rownorm.kind.encode())
+    h.update(str(self.rownorm.traced.jaxpr).encode())
+    return h.hexdigest()[:16]
+
+  def describe(self) -> str:
+    lines = [f"rownorm: {self.rownorm.name} -> {self.rownorm.describe()}"]
+    for label, prog in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod)):
+      if prog is None:
+        lines.append(f"{label}: none")
+        continue
+      deps = ", ".join(sorted(prog.deps)) or "nothing"
+      kind = ""
+      if label == "score_mod":
+        kind = " (uses the score)" if self.score_uses_score else " (index-only bias)"
+      lines.append(f"{label}: {len(prog.traced.jaxpr.eqns)} primitives, "
+                   f"depends on {deps}{kind}")
+      for use in prog.uses:
+        shape = np.shape(prog.traced.consts[use.capture])
+        blocking = ", ".join(
+            {"q": "block_q rows", "kv": "block_k keys"}.get(a, "one element")
+            if isinstance(a, str) else f"fixed {a}" for a in use.axes) or "scalar"
+        lines.append(f"  reads {use.describe(shape)}: loads {blocking} per tile")
+    if self.mask_mod is not None:
+      broadcast = [n for n in ("b", "h") if n not in self.mask_deps]
+      lines.append("block sparsity: mask is index-only; block mask built once"
+                   + (f", broadcast over {'/'.join(broadcast)}" if broadcast else ""))
+    lines.append(f"fingerprint: {self.fingerprint()}")
+    return "\n".join(lines)
+
+
+def _check_scalar_output(traced, dtype_kind: str, name: str):
+  outs = traced.jaxpr.outvars
+  if len(outs) != 1 or outs[0].aval.shape != ():
+    raise VariantError(
+        f"{name} must return one scalar per (b, h, q_idx, kv_idx); got "
+        f"{[v.aval.str_short() for v in outs]}. It is traced on scalars: "
+        "write it elementwise.")
+  if jnp.dtype(outs[0].aval.dtype).kind not in dtype_kind:
+    raise VariantError(f"{name} returns {outs[0].aval.dtype}; expected "
+                       + ("a boolean" if dtype_kind == "b" else "a float"))
+
+
+def analyze_variant(score_mod=None, mask_mod=None, rownorm="softmax") -> VariantAnalysis:
+  """Traces and analyzes the three callables of a variant."""
+  score_prog = mask_prog = None
+  if score_mod is not None:
+    traced = trace(score_mod, [_SCORE, _INDEX, _INDEX, _INDEX, _INDEX],
+                   name="score_mod", allowed=_ELEMENTWISE_ALLOWED)
+    _check_scalar_output(traced, "f", "score_mod")
+    score_prog = captures_lib.analyze_elementwise(
+        traced, ("score", "b", "h", "q", "kv"))
+  if mask_mod is not None:
+    traced = trace(mask_mod, [_INDEX, _INDEX, _INDEX, _INDEX],
+                   name="mask_mod", allowed=_ELEMENTWISE_ALLOWED)
+    _check_scalar_output(traced, "b", "mask_mod")
+    mask_prog = captures_lib.analyze_elementwise(traced, ("b", "h", "q", "kv"))
+  return VariantAnalysis(score_prog, mask_prog, analyze_rownorm(rownorm))

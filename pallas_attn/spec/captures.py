@@ -1,0 +1,168 @@
+"""How a traced score_mod / mask_mod reads the arrays it closes over.
+
+The callables are traced on scalar indices, so `bias[b, h, q_idx, kv_idx]`
+becomes a `dynamic_slice` of a captured constant by index variables (after
+JAX's negative-index normalization `select_n(i < 0, i, i + n)`). This pass
+walks the flat jaxpr symbolically and resolves every such read to a
+`CaptureUse`: which captured array, and for each of its axes which index
+addresses it. The kernel then loads exactly the block it needs (a slope per
+head, a row of per-key biases per kv block) instead of a dense tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, source_line
+
+INDEX_NAMES = ("b", "h", "q", "kv")
+_DISPLAY = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureUse:
+  """One read of a captured array: `axes[i]` is 'b', 'h', 'q', 'kv' or a fixed int."""
+  capture: int
+  axes: tuple
+
+  def describe(self, shape) -> str:
+    idx = ", ".join(_DISPLAY.get(a, str(a)) if isinstance(a, str) else str(a)
+                    for a in self.axes)
+    return f"capture#{self.capture}{list(shape)}[{idx}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseProgram:
+  """A traced elementwise callable ready for the in-kernel interpreter.
+
+  inputs: names of the jaxpr's invars ('score', 'b', 'h', 'q', 'kv').
+  loads: (var, use index) pairs: values read from captured arrays.
+  skip: eqn indices replaced by those loads (the indexing chain).
+  deps: which inputs the result depends on, through data or addressing.
+  """
+  traced: TracedFn
+  inputs: tuple
+  uses: tuple  # tuple[CaptureUse]
+  loads: tuple
+  skip: frozenset
+  deps: frozenset
+
+  @property
+  def name(self) -> str:
+    return self.traced.name
+
+
+@dataclasses.dataclass
+class _View:
+  """A captured array partially indexed: addr per axis, None = still open."""
+  capture: int
+  shape: tuple
+  addr: list
+  open_axes: list  # axes of the array that the current value still has
+
+
+def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
+  """Resolves capture reads and dependencies of an elementwise callable."""
+  jaxpr = traced.jaxpr
+  tags = {}    # var -> ('idx'|'neg'|'wrap', name) | _View
+  deps = {}    # var -> frozenset of input names
+  for var, name in zip(jaxpr.invars, inputs):
+    deps[var] = frozenset([name])
+    if name in INDEX_NAMES:
+      tags[var] = ("idx", name)
+  uses, loads, skip = [], [], set()
+
+  def add_use(use):
+    if use not in uses:
+      uses.append(use)
+    return uses.index(use)
+
+  for i, (var, const) in enumerate(zip(jaxpr.constvars, traced.consts)):
+    shape = tuple(np.shape(const))
+    if all(d == 1 for d in shape):
+      loads.append((var, add_use(CaptureUse(i, (0,) * len(shape)))))
+      deps[var] = frozenset()
+    else:
+      tags[var] = _View(i, shape, [None] * len(shape), list(range(len(shape))))
+      deps[var] = frozenset()
+
+  def dep(v):
+    return frozenset() if is_literal(v) else deps.get(v, frozenset())
+
+  def tag(v):
+    return None if is_literal(v) else tags.get(v)
+
+  for n, eqn in enumerate(jaxpr.eqns):
+    prim = eqn.primitive.name
+    in_tags = [tag(v) for v in eqn.invars]
+    out = eqn.outvars[0] if eqn.outvars else None
+    views = [t for t in in_tags if isinstance(t, _View)]
+    if prim == "dynamic_slice" and isinstance(in_tags[0], _View):
+      view = dataclasses.replace(in_tags[0], addr=list(in_tags[0].addr),
+                                 open_axes=list(in_tags[0].open_axes))
+      sizes = eqn.params["slice_sizes"]
+      for pos, (axis, start, size) in enumerate(
+          zip(view.open_axes, eqn.invars[1:], sizes)):
+        start_tag = tag(start)
+        dim = view.shape[axis]
+        if size == dim and is_literal(start) and int(start.val) == 0:
+          continue  # axis kept whole
+        if size != 1:
+          raise VariantError(
+              f"{traced.name} slices a captured array of shape {view.shape} "
+              f"with a window of {size} at {source_line(eqn)}; index every "
+              "axis with a single b, h, q_idx, kv_idx or a constant.")
+        if dim == 1:
+          view.addr[axis] = 0
+        elif is_literal(start):
+          view.addr[axis] = int(start.val)
+        elif start_tag is not None and start_tag[0] == "idx":
+          view.addr[axis] = start_tag[1]
+        else:
+          raise VariantError(
+              f"{traced.name} indexes axis {axis} of a captured array of "
+              f"shape {view.shape} with a computed index at "
+              f"{source_line(eqn)}; only b, h, q_idx, kv_idx or constants "
+              "can address a captured array (precompute the array in the "
+              "layout you need).")
+      skip.add(n)
+      if all(a is not None for a in view.addr):
+        loads.append((out, add_use(CaptureUse(view.capture, tuple(view.addr)))))
+        deps[out] = frozenset(a for a in view.addr if isinstance(a, str))
+      else:
+        tags[out] = view
+        deps[out] = frozenset()
+      continue
+    if views:
+      if prim == "squeeze" and isinstance(in_tags[0], _View):
+        view = in_tags[0]
+        dims = set(eqn.params["dimensions"])
+        kept = [a for p, a in enumerate(view.open_axes) if p not in dims]
+        tags[out] = dataclasses.replace(view, open_axes=kept)
+        deps[out] = frozenset()
+        skip.add(n)
+        continue
+      raise VariantError(
+          f"{traced.name} uses a captured array of shape {views[0].shape} "
+          f"in '{prim}' at {source_line(eqn)} before indexing all its axes; "
+          "read captured arrays elementwise, e.g. bias[b, h, q_idx, kv_idx].")
+    # Negative-index normalization that jnp indexing inserts.
+    if prim == "lt" and in_tags[0] and in_tags[0][0] == "idx" and is_literal(eqn.invars[1]):
+      tags[out] = ("neg", in_tags[0][1])
+    elif prim == "add" and in_tags[0] and in_tags[0][0] == "idx" and is_literal(eqn.invars[1]):
+      tags[out] = ("wrap", in_tags[0][1])
+    elif (prim == "select_n" and len(in_tags) == 3 and all(in_tags)
+          and in_tags[0][0] == "neg" and in_tags[1][0] == "idx"
+          and in_tags[2][0] == "wrap"
+          and in_tags[0][1] == in_tags[1][1] == in_tags[2][1]):
+      tags[out] = ("idx", in_tags[1][1])
+    elif prim in ("convert_element_type", "squeeze", "reshape",
+                  "broadcast_in_dim") and in_tags[0] and in_tags[0][0] == "idx":
+      tags[out] = in_tags[0]
+    merged = frozenset().union(*[dep(v) for v in eqn.invars])
+    for v in eqn.outvars:
+      deps[v] = merged
+  out_deps = frozenset().union(*[dep(v) for v in jaxpr.outvars])
+  return ElementwiseProgram(traced=traced, inputs=tuple(inputs), uses=tuple(uses),
+                            loads=tuple(loads), skip=frozenset(skip), deps=out_deps)
