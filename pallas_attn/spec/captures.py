@@ -102,12 +102,11 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
       view = dataclasses.replace(in_tags[0], addr=list(in_tags[0].addr),
                                  open_axes=list(in_tags[0].open_axes))
       sizes = eqn.params["slice_sizes"]
-      for pos, (axis, start, size) in enumerate(
-          zip(view.open_axes, eqn.invars[1:], sizes)):
+      for axis, start, size in zip(view.open_axes, eqn.invars[1:], sizes):
         start_tag = tag(start)
         dim = view.shape[axis]
-        if size == dim and is_literal(start) and int(start.val) == 0:
-          continue  # axis kept whole
+        if size == dim:
+          continue  # axis kept whole (the start is clamped to 0)
         if size != 1:
           raise VariantError(
               f"{traced.name} slices a captured array of shape {view.shape} "

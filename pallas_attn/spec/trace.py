@@ -9,6 +9,7 @@ source line.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import traceback
 
@@ -92,6 +93,16 @@ def check_primitives(jaxpr, allowed: frozenset, fn_name: str, outer_line: str = 
           f"inside an attention block.{hint}")
 
 
+def _user_source(eqn):
+  """Keeps the user's source line on re-bound equations (for error messages)."""
+  try:
+    from jax._src import source_info_util
+    return source_info_util.user_context(eqn.source_info.traceback,
+                                         name_stack=eqn.source_info.name_stack)
+  except Exception:  # pragma: no cover - internal API moved
+    return contextlib.nullcontext()
+
+
 def _eval_inlined(jaxpr, consts, *args):
   env = {}
 
@@ -112,7 +123,8 @@ def _eval_inlined(jaxpr, consts, *args):
         invals = invals[len(invals) - len(sub_jaxpr.invars):]
       outs = _eval_inlined(sub_jaxpr, sub_consts, *invals)
     else:
-      outs = eqn.primitive.bind(*invals, **eqn.params)
+      with _user_source(eqn):
+        outs = eqn.primitive.bind(*invals, **eqn.params)
       if not eqn.primitive.multiple_results:
         outs = [outs]
     for var, val in zip(eqn.outvars, outs):

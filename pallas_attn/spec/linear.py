@@ -1,0 +1,255 @@
+"""Validation of linear-attention calls: shapes, dtypes, decay kinds, feature maps.
+
+Everything here runs on shapes (and, where the caller passes concrete
+arrays, on values) before any kernel is traced, so that mistakes surface as
+`ValueError`/`TypeError` naming the argument instead of as a lowering error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_attn.schedule.config import LinearAttentionConfig
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                    jnp.dtype(jnp.float16))
+
+# How `log_decay` is laid out, by its rank.
+DECAY_NONE = "none"          # no decay: plain linear attention
+DECAY_PER_HEAD = "per_head"  # [H]: one constant per head (RetNet)
+DECAY_SCALAR = "scalar"      # [B, S, H]: a scalar per step and head (Mamba2)
+DECAY_VECTOR = "vector"      # [B, S, H, Dk']: a gate per key feature (GLA)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionSpec:
+  """Static description of a validated linear-attention call.
+
+  `d_feature` is Dk' (the width after the feature maps), which is also the
+  row count of the state; with `normalize` the state carries the normalizer
+  as one extra value column.
+  """
+  batch: int
+  seq_len: int
+  heads: int
+  d_qk: int
+  d_feature: int
+  d_v: int
+  decay_kind: str
+  normalize: bool
+  dtype: Any
+  scale: float
+
+  @property
+  def state_shape(self) -> tuple[int, int, int, int]:
+    return (self.batch, self.heads, self.d_feature,
+            self.d_v + int(self.normalize))
+
+
+def _check_dtype(name: str, x) -> None:
+  if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+    raise TypeError(
+        f"{name} has dtype {x.dtype}; linear_attention supports float32, "
+        "bfloat16 and float16. Cast it with .astype(jnp.bfloat16) or "
+        ".astype(jnp.float32).")
+
+
+def _check_array(name: str, x, ndim: int, layout: str) -> None:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}.")
+  if x.ndim != ndim:
+    raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}.")
+
+
+def feature_dim(name: str, feature_map: Callable | None, x) -> int:
+  """Dk' of `feature_map` applied to `x` ([..., Dk]), found by tracing shapes.
+
+  A feature map must act on the last axis only: it may change Dk but not the
+  rank or the leading axes, and must return one floating-point array.
+  """
+  if feature_map is None:
+    return x.shape[-1]
+  if not callable(feature_map):
+    raise TypeError(f"{name} must be a callable [..., Dk] -> [..., Dk'], got "
+                    f"{type(feature_map).__name__}.")
+  out = jax.eval_shape(feature_map, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  if not isinstance(out, jax.ShapeDtypeStruct):
+    raise TypeError(f"{name} must return a single array, got {out}.")
+  if len(out.shape) != len(x.shape) or out.shape[:-1] != x.shape[:-1]:
+    raise ValueError(
+        f"{name} must map rows [..., Dk] -> [..., Dk'] keeping the rank and "
+        f"the leading axes; it maps {tuple(x.shape)} -> {tuple(out.shape)}. "
+        "Apply it per row (e.g. with jnp ops on the last axis), not to the "
+        "whole tensor.")
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    raise TypeError(f"{name} must return floating-point features, got "
+                    f"{out.dtype}.")
+  if out.shape[-1] == 0:
+    raise ValueError(f"{name} returns an empty feature axis.")
+  return out.shape[-1]
+
+
+def is_traced(x) -> bool:
+  """Whether `x` is abstract (under jit, grad, vmap): its values are unknown."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def classify_decay(log_decay, batch: int, seq_len: int, heads: int,
+                   d_feature: int, *, step: bool = False) -> str:
+  """The decay kind of `log_decay` (one of DECAY_*), after checking it.
+
+  Positive entries (growing states) are rejected when the values are
+  concrete; under `jax.jit`/`jax.grad` they are tracers and cannot be
+  checked, so the caller is responsible for log_decay <= 0 there.
+  """
+  if log_decay is None:
+    return DECAY_NONE
+  name = "log_decay_t" if step else "log_decay"
+  if step:
+    layouts = {1: ((heads,), DECAY_PER_HEAD),
+               2: ((batch, heads), DECAY_SCALAR),
+               3: ((batch, heads, d_feature), DECAY_VECTOR)}
+    expected = f"[H]={heads}, [B, H]={(batch, heads)} or [B, H, Dk']=" \
+               f"{(batch, heads, d_feature)}"
+  else:
+    layouts = {1: ((heads,), DECAY_PER_HEAD),
+               3: ((batch, seq_len, heads), DECAY_SCALAR),
+               4: ((batch, seq_len, heads, d_feature), DECAY_VECTOR)}
+    expected = (f"[H]={heads}, [B, S, H]={(batch, seq_len, heads)} or "
+                f"[B, S, H, Dk']={(batch, seq_len, heads, d_feature)}")
+  if not hasattr(log_decay, "shape") or not hasattr(log_decay, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(log_decay).__name__}.")
+  shape, kind = layouts.get(log_decay.ndim, (None, None))
+  if shape != tuple(log_decay.shape):
+    raise ValueError(
+        f"{name} has shape {tuple(log_decay.shape)}; expected {expected} "
+        "(Dk' is the key width after k_mod).")
+  if not jnp.issubdtype(log_decay.dtype, jnp.floating):
+    raise TypeError(f"{name} must be floating point, got {log_decay.dtype}.")
+  if not is_traced(log_decay):
+    largest = float(jnp.max(log_decay))  # one scalar comes back to the host
+    if not largest <= 0:
+      raise ValueError(
+          f"{name} must be <= 0 (a log of a decay factor in (0, 1]); its "
+          f"largest entry is {largest}. Pass e.g. jax.nn.log_sigmoid(gate) "
+          "or -softplus(x).")
+  return kind
+
+
+def check_scale(scale, d_qk: int) -> float:
+  """The output scale as a Python float (default 1/sqrt(Dk))."""
+  if scale is None:
+    return 1.0 / math.sqrt(d_qk)
+  if is_traced(scale) or np.ndim(scale) != 0:
+    raise TypeError("scale must be a Python number (it is baked into the "
+                    f"kernel), got {scale!r}.")
+  return float(scale)
+
+
+def _check_state(name: str, state, expected: tuple[int, ...],
+                 normalize: bool) -> None:
+  _check_array(name, state, 4, "[B, H, Dk', Dv]")
+  if tuple(state.shape) != expected:
+    extra = (" With normalize=True the state carries the normalizer z as one "
+             "extra last column: [B, H, Dk', Dv + 1]." if normalize else "")
+    raise ValueError(
+        f"{name} has shape {tuple(state.shape)}; expected {expected} "
+        f"([B, H, Dk', Dv], Dk' the key width after k_mod).{extra}")
+  if not jnp.issubdtype(state.dtype, jnp.floating):
+    raise TypeError(f"{name} must be floating point, got {state.dtype}.")
+
+
+def _check_features(q, k, q_mod, k_mod) -> int:
+  dq = feature_dim("q_mod", q_mod, q)
+  dk = feature_dim("k_mod", k_mod, k)
+  if dq != dk:
+    raise ValueError(
+        f"q and k features must have the same width to be contracted: q_mod "
+        f"gives {dq}, k_mod gives {dk} (an unset map is the identity).")
+  return dq
+
+
+def check_linear_attention(q, k, v, *, log_decay, q_mod, k_mod, normalize,
+                           scale, initial_state) -> LinearAttentionSpec:
+  """Validates a `linear_attention` call and describes it."""
+  for name, x in (("q", q), ("k", k)):
+    _check_array(name, x, 4, "[B, S, H, Dk]")
+  _check_array("v", v, 4, "[B, S, H, Dv]")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _check_dtype(name, x)
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}.")
+  if q.shape != k.shape:
+    raise ValueError(f"q and k must have the same shape [B, S, H, Dk], got "
+                     f"{tuple(q.shape)} and {tuple(k.shape)}.")
+  if v.shape[:3] != q.shape[:3]:
+    raise ValueError(f"v must share [B, S, H] with q: got v {tuple(v.shape)} "
+                     f"and q {tuple(q.shape)}.")
+  batch, seq_len, heads, d_qk = q.shape
+  if min(batch, seq_len, heads, d_qk, v.shape[-1]) == 0:
+    raise ValueError(f"empty inputs: q {tuple(q.shape)}, v {tuple(v.shape)}.")
+  d_feature = _check_features(q, k, q_mod, k_mod)
+  kind = classify_decay(log_decay, batch, seq_len, heads, d_feature)
+  spec = LinearAttentionSpec(
+      batch=batch, seq_len=seq_len, heads=heads, d_qk=d_qk,
+      d_feature=d_feature, d_v=v.shape[-1], decay_kind=kind,
+      normalize=bool(normalize), dtype=jnp.dtype(q.dtype),
+      scale=check_scale(scale, d_qk))
+  if initial_state is not None:
+    _check_state("initial_state", initial_state, spec.state_shape, normalize)
+  return spec
+
+
+def check_linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t, q_mod,
+                                k_mod, normalize, scale) -> LinearAttentionSpec:
+  """Validates a `linear_attention_step` call (one token, [B, H, D] inputs)."""
+  for name, x in (("q_t", q_t), ("k_t", k_t)):
+    _check_array(name, x, 3, "[B, H, Dk]")
+  _check_array("v_t", v_t, 3, "[B, H, Dv]")
+  for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+    _check_dtype(name, x)
+  if q_t.shape != k_t.shape or v_t.shape[:2] != q_t.shape[:2]:
+    raise ValueError(f"q_t, k_t must be [B, H, Dk] and v_t [B, H, Dv] with "
+                     f"shared B, H; got {tuple(q_t.shape)}, {tuple(k_t.shape)}"
+                     f", {tuple(v_t.shape)}.")
+  batch, heads, d_qk = q_t.shape
+  d_feature = _check_features(q_t, k_t, q_mod, k_mod)
+  kind = classify_decay(log_decay_t, batch, 1, heads, d_feature, step=True)
+  spec = LinearAttentionSpec(
+      batch=batch, seq_len=1, heads=heads, d_qk=d_qk, d_feature=d_feature,
+      d_v=v_t.shape[-1], decay_kind=kind, normalize=bool(normalize),
+      dtype=jnp.dtype(q_t.dtype), scale=check_scale(scale, d_qk))
+  _check_state("state", state, spec.state_shape, normalize)
+  return spec
+
+
+def _is_power_of_2(n) -> bool:
+  return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def check_linear_config(chunk_size: int | None,
+                        config: LinearAttentionConfig | None) -> None:
+  """Chunk and tile sizes must be powers of two >= 16 (Triton tiles)."""
+  if config is not None and not isinstance(config, LinearAttentionConfig):
+    raise TypeError("config must be a pallas_attn.schedule.config."
+                    f"LinearAttentionConfig, got {type(config).__name__}.")
+  sizes = {"chunk_size": chunk_size}
+  if config is not None:
+    sizes.update({"config.chunk_size": config.chunk_size,
+                  "config.block_v": config.block_v})
+  for name, size in sizes.items():
+    if size is not None and not (_is_power_of_2(size) and size >= 16):
+      raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile "
+                       f"dimension), got {size!r}.")
+  if config is not None:
+    for name in ("num_warps", "num_stages"):
+      if not (isinstance(getattr(config, name), int)
+              and getattr(config, name) >= 1):
+        raise ValueError(f"config.{name} must be a positive int, got "
+                         f"{getattr(config, name)!r}.")

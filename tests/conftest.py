@@ -1,0 +1,44 @@
+"""Shared test helpers: run modes, random inputs, error metrics."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ON_GPU = jax.default_backend() == "gpu"
+
+# Every kernel test runs in interpret mode (CPU, CI) and compiled (GPU only).
+MODES = [pytest.param(True, id="interpret"),
+         pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
+
+
+def pytest_collection_modifyitems(config, items):
+  skip_gpu = pytest.mark.skip(reason="needs a GPU (compiled Triton kernels)")
+  for item in items:
+    if "gpu" in item.keywords and not ON_GPU:
+      item.add_marker(skip_gpu)
+
+
+def random(shape, dtype=jnp.float32, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def qkv(batch=2, seq_q=37, seq_kv=45, heads=4, kv_heads=2, d_qk=24, d_v=40,
+        dtype=jnp.float32, seed=0):
+  """Random q, k, v with ragged lengths, GQA and dqk != dv by default."""
+  return (random((batch, seq_q, heads, d_qk), dtype, seed),
+          random((batch, seq_kv, kv_heads, d_qk), dtype, seed + 1),
+          random((batch, seq_kv, kv_heads, d_v), dtype, seed + 2))
+
+
+def rel_err(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32))
+  ref = np.asarray(jnp.asarray(ref, jnp.float32))
+  assert not np.isnan(x).any(), "NaN in result"
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_close(x, ref, dtype=jnp.float32, factor=1.0):
+  err = rel_err(x, ref)
+  assert err <= TOLERANCE[dtype] * factor, f"relative error {err:.3e}"

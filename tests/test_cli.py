@@ -1,0 +1,181 @@
+"""The pallas-attn command line, on tiny shapes in interpret mode."""
+import json
+import sys
+import types
+
+import pytest
+
+import pallas_attn
+from pallas_attn import bench, cli
+
+TINY = ["--batch", "1", "--heads", "2", "--seq-q", "32", "--d-qk", "16", "--dtype", "float32"]
+CAUSAL_FILE = """
+def mask_mod(b, h, q_idx, kv_idx):
+  return q_idx >= kv_idx
+
+rownorm = "softmax"
+"""
+
+
+@pytest.fixture(autouse=True)
+def cache_path(tmp_path, monkeypatch):
+  path = tmp_path / "tuning.json"
+  monkeypatch.setenv("PALLAS_ATTN_CACHE", str(path))
+  return path
+
+
+@pytest.fixture
+def variant_file(tmp_path):
+  path = tmp_path / "my_causal.py"
+  path.write_text(CAUSAL_FILE)
+  return str(path)
+
+
+def run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def usage_error(capsys, *argv):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(list(argv))
+  assert exc.value.code == 2
+  return capsys.readouterr().err
+
+
+def test_tune_then_explain_uses_the_cache(capsys, variant_file, cache_path):
+  code, out, err = run(capsys, "explain", variant_file, *TINY)
+  assert code == 0 and "heuristic (no tuned cache entry)" in out
+  assert "mask_mod" in out and "forward search space on" in out
+
+  code, out, err = run(capsys, "tune", variant_file, *TINY, "--budget", "60")
+  assert code == 0, err
+  assert "[1/4]" in err and "search space" in err
+  assert "best:" in out and "speedup over the heuristic:" in out
+  assert len(json.loads(cache_path.read_text())["entries"]) == 1
+
+  code, out, _ = run(capsys, "explain", variant_file, *TINY, "--templates", "forward")
+  assert code == 0 and "[from the tuning cache]" in out
+
+
+def test_explain_verbose_lists_pruned_configs(capsys, variant_file):
+  code, out, _ = run(capsys, "explain", variant_file, *TINY, "--verbose")
+  assert code == 0 and "pruned block_q=64" in out and "> padded seq_q 32" in out
+
+
+def test_tune_no_store(capsys, variant_file, cache_path):
+  code, out, _ = run(capsys, "tune", variant_file, *TINY, "--max-candidates", "2",
+                     "--no-store")
+  assert code == 0 and "timed 2 of 2 configs" in out and not cache_path.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "required"),
+    (["tune", "x.py", "--batch", "0"], "expected a positive integer, got 0"),
+    (["tune", "x.py", "--budget", "-1"], "expected a positive number"),
+    (["tune", "x.py", "--template", "sideways"], "invalid choice"),
+    (["tune", "x.py", "--heads", "6", "--kv-heads", "4"], "not a multiple of --kv-heads 4"),
+    (["tune", "missing.py"], "no such variant file: missing.py"),
+    (["cache", "list", "--bogus"], "unrecognized arguments: --bogus"),
+    (["cache", "shred"], "invalid choice"),
+])
+def test_bad_arguments(capsys, argv, message):
+  assert message in usage_error(capsys, *argv)
+
+
+def test_unloadable_variant_files(capsys, tmp_path):
+  broken = tmp_path / "broken.py"
+  broken.write_text("raise ImportError('no such thing')\n")
+  assert "cannot load variant file" in usage_error(capsys, "explain", str(broken))
+  empty = tmp_path / "empty.py"
+  empty.write_text("x = 1\n")
+  assert "defines neither VARIANT nor" in usage_error(capsys, "explain", str(empty))
+
+
+def test_unknown_variant_lists_known_ones(capsys):
+  message = usage_error(capsys, "tune", "no_such_variant", *TINY)
+  assert "unknown variant 'no_such_variant'" in message and "causal" in message
+
+
+def test_tune_builtin_variant(capsys):
+  code, out, err = run(capsys, "tune", "causal", *TINY, "--max-candidates", "2")
+  assert code == 0, err
+  assert "best:" in out
+
+
+def test_cache_commands(capsys, tmp_path, cache_path):
+  code, out, _ = run(capsys, "cache", "list")
+  assert code == 0 and "0 entries" in out
+  shipped = tmp_path / "shipped.json"
+  shipped.write_text(json.dumps({"format": 1, "entries": {"k": {
+      "key": {"template": "forward", "fingerprint": "abc"},
+      "config": {"block_q": 16, "block_k": 16, "num_warps": 4, "num_stages": 1},
+      "time_ms": 1.5, "baseline_ms": 3.0}}}))
+  assert run(capsys, "cache", "merge", str(shipped))[1].startswith("merged 1 entries")
+  code, out, _ = run(capsys, "cache", "list")
+  assert "1 entries" in out and "fp=abc" in out and "block_q=16" in out and "(2.00x)" in out
+  exported = tmp_path / "exported.json"
+  assert run(capsys, "cache", "export", str(exported))[1].startswith("exported 1 entries")
+  assert json.loads(exported.read_text())["entries"].keys() == {"k"}
+  assert run(capsys, "cache", "clear")[1].startswith("removed 1 entries")
+  bad = tmp_path / "bad.json"
+  bad.write_text("[]")
+  code, _, err = run(capsys, "cache", "merge", str(bad))
+  assert code == 1 and "not a pallas_attn tuning cache" in err
+
+
+def test_bench_file_variant(capsys, variant_file):
+  code, out, err = run(capsys, "bench", variant_file, *TINY, "--seq-q", "64",
+                       "--warmup", "1", "--reps", "2")
+  assert code == 0, err
+  rows = {line.split()[1]: line for line in out.splitlines()[2:]}
+  assert set(rows) == set(bench.IMPLS)
+  assert "cannot express variant" in rows["cudnn"] and "n/a" in rows["cudnn"]
+  assert "n/a" not in rows["pallas_attn"] and "n/a" not in rows["xla"]
+
+
+def test_bench_builtin_peers(capsys):
+  code, out, err = run(capsys, "bench", "vanilla", "causal", *TINY, "--seq-q", "64",
+                       "--impls", "xla", "jax_pallas_mha", "cudnn", "--warmup", "1",
+                       "--reps", "2")
+  assert code == 0, err
+  lines = out.splitlines()[2:]
+  assert len(lines) == 6
+  assert all("n/a" not in line for line in lines if " xla " in line)
+
+
+def test_bench_fwd_bwd_xla(capsys, variant_file):
+  code, out, err = run(capsys, "bench", variant_file, *TINY, "--mode", "fwd_bwd",
+                       "--impls", "xla", "--warmup", "1", "--reps", "2")
+  assert code == 0, err
+  assert "fwd_bwd" in out.splitlines()[0] and "n/a" not in out.splitlines()[2]
+
+
+def test_format_table():
+  table = bench.format_table([bench.BenchRow("causal", "xla", 1.23456, 7.891),
+                              bench.BenchRow("causal", "cudnn", None, None, "needs a GPU")])
+  lines = table.splitlines()
+  assert lines[0].split() == ["variant", "impl", "time", "ms", "TFLOP/s", "note"]
+  assert lines[1].split() == ["causal", "xla", "1.235", "7.89"]
+  assert lines[2].split()[:4] == ["causal", "cudnn", "n/a", "n/a"]
+
+
+def test_demo_delegates(capsys, monkeypatch):
+  seen = []
+  fake = types.SimpleNamespace(main=lambda argv=None: seen.append(argv) or 0)
+  monkeypatch.setitem(sys.modules, "pallas_attn.demo", fake)
+  monkeypatch.setattr(pallas_attn, "demo", fake, raising=False)
+  assert cli.main(["demo", "--steps", "3", "--help"]) == 0
+  assert seen == [["--steps", "3", "--help"]]
+
+
+def test_bench_variant_peers_in_interpret_mode():
+  """The peers of expressible variants run (cuDNN only on a GPU)."""
+  shape = bench.ProblemShape.from_shapes((1, 64, 4, 16), (1, 64, 2, 16), (1, 64, 2, 16),
+                                         "float32")
+  rows = bench.bench_variant("causal", {"mask_mod": lambda b, h, q, k: q >= k}, shape,
+                             impls=("cudnn", "jax_pallas_mha", "xla"), warmup=1, reps=2)
+  by_impl = {r.impl: r for r in rows}
+  assert by_impl["jax_pallas_mha"].time_ms > 0 and by_impl["xla"].tflops > 0
+  assert by_impl["cudnn"].time_ms is None and by_impl["cudnn"].note

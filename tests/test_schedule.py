@@ -1,0 +1,366 @@
+"""Scheduling: device table, resource model and search space, timing, cache, tuner."""
+import dataclasses
+import json
+import os
+import threading
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pallas_attn.schedule import cache as cache_lib
+from pallas_attn.schedule import device as device_lib
+from pallas_attn.schedule import search_space as space_lib
+from pallas_attn.schedule import timing, tuner
+from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
+
+H100 = device_lib.lookup_device("NVIDIA H100 80GB HBM3")
+CPU = device_lib.lookup_device("cpu")
+
+
+def shape(batch=1, seq_q=4096, seq_kv=None, heads=8, kv_heads=None, d_qk=128, d_v=None,
+          dtype="bfloat16"):
+  seq_kv, kv_heads, d_v = seq_kv or seq_q, kv_heads or heads, d_v or d_qk
+  return space_lib.ProblemShape.from_shapes(
+      (batch, seq_q, heads, d_qk), (batch, seq_kv, kv_heads, d_qk),
+      (batch, seq_kv, kv_heads, d_v), dtype)
+
+
+@pytest.fixture
+def cache_path(tmp_path, monkeypatch):
+  path = tmp_path / "tuning.json"
+  monkeypatch.setenv(cache_lib.CACHE_ENV, str(path))
+  return path
+
+
+# --- Device table ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, name, smem_kib, warp", [
+    ("NVIDIA H100 80GB HBM3", "h100", 227, 32),
+    ("NVIDIA H200", "h200", 227, 32),
+    ("NVIDIA A100-SXM4-80GB", "a100", 163, 32),
+    ("AMD Instinct MI250X", "mi250", 64, 64),
+    ("AMD Instinct MI300X", "mi300", 64, 64),
+    ("NVIDIA L4", "nvidia", 99, 32),
+    ("Some Future Accelerator", "nvidia", 99, 32),
+])
+def test_lookup_device(kind, name, smem_kib, warp):
+  config = device_lib.lookup_device(kind)
+  assert (config.name, config.smem_per_block, config.warp_size) == (name, smem_kib * 1024, warp)
+  assert config.kind == kind and not config.interpret
+
+
+def test_device_config_on_cpu_is_interpret():
+  config = device_lib.device_config()
+  assert jax.default_backend() != "cpu" or (config.interpret and config.smem_per_block is None)
+
+
+def test_device_config_reads_core_count_and_rocm():
+  pcie = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 PCIe",
+                               core_count=114, compute_capability="9.0")
+  assert device_lib.device_config(pcie).sm_count == 114
+  amd = types.SimpleNamespace(platform="gpu", device_kind="gfx-unnamed",
+                              compute_capability="gfx942")
+  assert device_lib.device_config(amd).vendor == "amd"
+
+
+# --- Resource model and search space ---------------------------------------------
+
+
+def test_resource_use_forward():
+  use = space_lib.resource_use("forward", AttentionConfig(128, 64, 8, 3), shape(), H100)
+  assert use.smem_bytes == (3 * 64 * (128 + 128) + 128 * 128) * 2  # K/V stages + Q tile
+  assert use.acc_registers == (128 * 128 + 128 * 64) // 256
+
+
+@pytest.mark.parametrize("template, config, reason", [
+    ("forward", AttentionConfig(64, 256, 4, 4), "smem 528 KiB > 227 KiB limit"),
+    ("forward", AttentionConfig(128, 128, 4, 1), "fp32 accumulators 256 regs/thread > 255"),
+    ("forward", AttentionConfig(48, 64, 4, 1), "block_q 48 is not a power of two"),
+    ("forward", AttentionConfig(8, 64, 4, 1), "block_q 8 is not a multiple of the 16-wide"),
+    ("forward", AttentionConfig(16, 16, 8, 1), "2 MMA tiles of 16x16 < 8 warps"),
+    ("backward", AttentionConfig(128, 128, 8, 4), "smem"),
+    ("linear_forward", LinearAttentionConfig(64, 256, 4, 2), "block_v 256 > padded d_v 128"),
+])
+def test_prune_reasons(template, config, reason):
+  assert reason in space_lib.prune_reason(template, config, shape(), H100)
+
+
+def test_tiles_larger_than_padded_sequence_are_pruned():
+  short = shape(seq_q=40, seq_kv=100)
+  assert space_lib.prune_reason("forward", AttentionConfig(64, 128, 4, 1), short, H100) is None
+  assert "padded seq_q 64" in space_lib.prune_reason(
+      "forward", AttentionConfig(128, 64, 4, 1), short, H100)
+
+
+def test_smaller_shared_memory_prunes_more():
+  a100 = device_lib.lookup_device("NVIDIA A100-SXM4-80GB")
+  config = AttentionConfig(128, 128, 8, 3)  # 224 KiB
+  assert space_lib.prune_reason("forward", config, shape(), H100) is None
+  assert "> 163 KiB limit" in space_lib.prune_reason("forward", config, shape(), a100)
+
+
+@pytest.mark.parametrize("template", list(space_lib.TEMPLATES))
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                                  "AMD Instinct MI300X"])
+def test_search_space_partitions_the_product(template, kind):
+  device = device_lib.lookup_device(kind)
+  space = space_lib.search_space(template, shape(), device)
+  axes = space_lib.default_axes(template, shape(), device)
+  assert len(space.candidates) + len(space.pruned) == np.prod([len(v) for v in axes.values()])
+  assert space.candidates, space.summary(verbose=True)
+  assert all(space_lib.prune_reason(template, c, shape(), device) is None
+             for c in space.candidates)
+  assert all(p.reason for p in space.pruned)
+
+
+def test_search_space_order_and_axes():
+  space = space_lib.search_space("forward", shape(), H100)
+  assert space.candidates[0] == space.default == AttentionConfig(128, 64, 8, 3)
+  small = space_lib.search_space("forward", shape(), H100, block_q=(64, 128), num_stages=(2,))
+  assert {(c.block_q, c.num_stages) for c in small.candidates} <= {(64, 2), (128, 2)}
+  with pytest.raises(ValueError, match="unknown axes"):
+    space_lib.search_space("forward", shape(), H100, chunk_size=(16,))
+  with pytest.raises(ValueError, match="unknown template"):
+    space_lib.search_space("sideways", shape(), H100)
+
+
+def test_interpret_space_is_tiny():
+  space = space_lib.search_space("forward", shape(seq_q=32, d_qk=16), CPU)
+  assert set(space.candidates) == {AttentionConfig(q, k, 4, 3) for q in (16, 32) for k in (16, 32)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(seq_q=st.integers(1, 20000), seq_kv=st.integers(1, 20000),
+       d=st.sampled_from([16, 40, 64, 96, 128, 256]),
+       dtype=st.sampled_from(["bfloat16", "float32"]),
+       kind=st.sampled_from(["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                             "AMD Instinct MI250X"]))
+def test_candidates_fit_the_device(seq_q, seq_kv, d, dtype, kind):
+  device = device_lib.lookup_device(kind)
+  problem = shape(seq_q=seq_q, seq_kv=seq_kv, d_qk=d, dtype=dtype)
+  for template in ("forward", "backward"):
+    for c in space_lib.search_space(template, problem, device).candidates:
+      use = space_lib.resource_use(template, c, problem, device)
+      assert use.smem_bytes <= device.smem_per_block
+      assert use.acc_registers <= space_lib.register_budget(c.num_warps, device)
+      assert c.block_q <= max(16, 2 ** (seq_q - 1).bit_length())
+      assert c.block_k <= max(16, 2 ** (seq_kv - 1).bit_length())
+
+
+def test_problem_shape_validation():
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    shape(heads=6, kv_heads=4)
+  with pytest.raises(ValueError, match="inconsistent"):
+    space_lib.ProblemShape.from_shapes((1, 8, 2, 16), (1, 8, 2, 32), (1, 8, 2, 16), "float32")
+
+
+# --- Timing ---------------------------------------------------------------------
+
+
+def test_attention_flops():
+  fwd = timing.attention_flops(2, 8, 1024, 2048, 64, 128)
+  assert fwd == 2 * 2 * 8 * 1024 * 2048 * (64 + 128)
+  assert timing.attention_flops(2, 8, 1024, 2048, 64, 128, mode="fwd_bwd") == 3.5 * fwd
+  assert timing.attention_flops(2, 8, 1024, 2048, 64, 128, density=0.25) == fwd / 4
+  with pytest.raises(ValueError):
+    timing.attention_flops(1, 1, 1, 1, 1, 1, mode="bwd")
+
+
+def test_mask_density():
+  causal = lambda b, h, q, k: q >= k
+  assert timing.mask_density(causal, 64, 64) == pytest.approx(65 / 128)
+  assert timing.mask_density(None, 64, 64) == 1.0
+  window = lambda b, h, q, k: jnp.abs(q - k) < 64
+  assert timing.mask_density(window, 8192, 8192) == pytest.approx(127 / 8192, rel=0.1)
+
+
+def test_median_time_ms_runs_warmup_and_reps():
+  calls = []
+  def fn():
+    calls.append(1)
+    return jnp.ones(3)
+  assert timing.median_time_ms(fn, warmup=2, reps=5) > 0
+  assert len(calls) == 7
+
+
+# --- Cache ------------------------------------------------------------------------
+
+
+def test_cache_key_buckets():
+  key = lambda s: cache_lib.CacheKey.create("forward", "fp", s, device_kind="X")
+  assert key(shape(seq_q=3000, batch=3)) == key(shape(seq_q=4096, batch=4))
+  assert key(shape(seq_q=4096)) != key(shape(seq_q=4097))
+  assert key(shape(d_qk=96)) != key(shape(d_qk=128))
+  assert key(shape(dtype="float32")) != key(shape())
+  k = key(shape(batch=3, heads=8, kv_heads=2, seq_q=1000, seq_kv=3000))
+  assert (k.batch_heads, k.group, k.seq_q, k.seq_kv) == (32, 4, 1024, 4096)
+  assert k.jax_version == jax.__version__ and k.pallas_attn_version
+  assert "device_kind=X" in k.to_string()
+
+
+def test_default_cache_path(monkeypatch, tmp_path):
+  monkeypatch.delenv(cache_lib.CACHE_ENV, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert cache_lib.default_cache_path() == tmp_path / "pallas_attn" / "tuning.json"
+  monkeypatch.setenv(cache_lib.CACHE_ENV, str(tmp_path / "mine.json"))
+  assert cache_lib.default_cache_path() == tmp_path / "mine.json"
+
+
+def _lookup(template="forward", fingerprint="fp", s=None):
+  s = s or shape(seq_q=64, d_qk=16)
+  return cache_lib.lookup_config(template, fingerprint, q_shape=s.q_shape,
+                                 k_shape=s.k_shape, v_shape=s.v_shape, dtype=s.dtype)
+
+
+def _store(config, template="forward", fingerprint="fp", s=None, **stats):
+  s = s or shape(seq_q=64, d_qk=16)
+  return cache_lib.store_config(template, fingerprint, config, q_shape=s.q_shape,
+                                k_shape=s.k_shape, v_shape=s.v_shape, dtype=s.dtype,
+                                **stats)
+
+
+def test_store_and_lookup(cache_path):
+  assert _lookup() is None
+  config = AttentionConfig(32, 16, 4, 2)
+  _store(config, time_ms=1.0, baseline_ms=2.0)
+  assert _lookup() == config
+  assert _lookup(s=shape(seq_q=50, d_qk=16)) == config  # same bucket
+  assert _lookup(fingerprint="other") is None
+  assert _lookup(template="backward") is None
+  linear = LinearAttentionConfig(32, 16, 4, 1)
+  _store(linear, template="linear_forward")
+  assert _lookup(template="linear_forward") == linear
+  data = json.loads(cache_path.read_text())
+  assert data["format"] == 1 and len(data["entries"]) == 2
+  entry = next(e for e in data["entries"].values() if e["key"]["template"] == "forward")
+  assert entry["config"] == config.to_dict() and entry["time_ms"] == 1.0
+  with pytest.raises(TypeError):
+    _store(linear, template="forward")
+
+
+def test_corrupt_cache_warns_and_misses(cache_path):
+  cache_path.write_text("{not json")
+  with pytest.warns(UserWarning, match="not valid JSON"):
+    assert _lookup() is None
+  with pytest.raises(cache_lib.CacheFileError):
+    cache_lib.get_cache().entries()
+
+
+def test_merge_export_clear(tmp_path, cache_path):
+  _store(AttentionConfig(32, 32, 4, 1), time_ms=2.0)
+  shipped = cache_lib.TuningCache(tmp_path / "shipped.json")
+  key = cache_lib.CacheKey.create("forward", "fp", shape(seq_q=64, d_qk=16))
+  other = cache_lib.CacheKey.create("forward", "fp2", shape(seq_q=64, d_qk=16))
+  shipped.put(key, AttentionConfig(16, 16, 4, 1), time_ms=1.0)
+  shipped.put(other, AttentionConfig(16, 32, 4, 1), time_ms=3.0)
+  mine = cache_lib.get_cache()
+  assert mine.merge(shipped.path) == 2  # the faster shared entry and the new one
+  assert _lookup() == AttentionConfig(16, 16, 4, 1)
+  slower = cache_lib.TuningCache(tmp_path / "slower.json")
+  slower.put(key, AttentionConfig(32, 16, 4, 1), time_ms=5.0)
+  assert mine.merge(slower.path) == 0
+  assert mine.export(tmp_path / "out.json") == 2
+  assert cache_lib.TuningCache(tmp_path / "out.json").entries() == mine.entries()
+  assert mine.clear() == 2 and _lookup() is None
+  with pytest.raises(cache_lib.CacheFileError, match="no tuning cache"):
+    mine.merge(tmp_path / "missing.json")
+
+
+def test_concurrent_writers_keep_every_entry(cache_path):
+  def write(i):
+    key = cache_lib.CacheKey.create("forward", f"fp{i}", shape(seq_q=64, d_qk=16))
+    for _ in range(5):
+      cache_lib.TuningCache(cache_path).put(key, AttentionConfig(16, 16, 4, 1), time_ms=i)
+  threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(cache_lib.TuningCache(cache_path).entries()) == 8
+  assert not [p for p in os.listdir(cache_path.parent) if p.endswith(".tmp")]
+
+
+# --- Tuner ------------------------------------------------------------------------
+
+
+def _fake_build(outputs, failures=()):
+  """Builds returning fixed outputs per block_q (block_q in `failures` raises)."""
+  def build(config):
+    if config.block_q in failures:
+      raise RuntimeError(f"cannot compile {config.block_q}\nmore detail")
+    fn = lambda: outputs[config.block_q]
+    fn.block_q = config.block_q
+    return fn
+  return build
+
+
+def _fake_timer(ms_by_block_q):
+  return lambda fn: ms_by_block_q[fn.block_q]
+
+
+CANDIDATES = [AttentionConfig(q, 16, 4, 1) for q in (16, 32, 64, 128)]
+
+
+def test_tune_keeps_fastest_correct():
+  ref = jnp.arange(4, dtype=jnp.float32) + 1
+  outputs = {16: ref, 32: ref.at[0].add(1e-5), 64: ref * 1.5, 128: ref.at[0].set(jnp.nan)}
+  lines = []
+  result = tuner.tune(_fake_build(outputs), CANDIDATES, budget_s=60,
+                      timer=_fake_timer({16: 2.0, 32: 1.0, 64: 0.1, 128: 0.1}),
+                      progress=lines.append, workers=2)
+  assert result.best == CANDIDATES[1] and result.best_ms == 1.0
+  assert result.baseline == CANDIDATES[0] and result.speedup == 2.0
+  rejected = {t.config.block_q: t.error for t in result.trials if not t.ok}
+  assert set(rejected) == {64, 128} and "relative error 0.5" in rejected[64]
+  assert "relative error nan" in rejected[128]
+  assert len(lines) == 4 and lines[0].startswith("[1/4]")
+
+
+def test_tune_baseline_failure_and_budget():
+  ref = jnp.ones(3)
+  outputs = {q: ref for q in (16, 32, 64, 128)}
+  result = tuner.tune(_fake_build(outputs, failures=(16,)), CANDIDATES,
+                      timer=lambda fn: 1.0, workers=1)
+  assert result.baseline_ms is None and result.speedup is None
+  assert "cannot compile 16" in result.trials[0].error
+  assert result.best == CANDIDATES[1]
+  quick = tuner.tune(_fake_build(outputs), CANDIDATES, budget_s=0, timer=lambda fn: 1.0)
+  assert len(quick.trials) == 1 and quick.skipped == 3
+  with pytest.raises(RuntimeError, match="no candidate config ran"):
+    tuner.tune(_fake_build(outputs, failures=(16, 32, 64, 128)), CANDIDATES,
+               timer=lambda fn: 1.0)
+
+
+def test_relative_error_and_tolerance():
+  ref = (jnp.ones((2, 2)), jnp.full((3,), 2.0))
+  assert tuner.relative_error(ref, ref) == 0.0
+  assert tuner.relative_error((ref[0], ref[1].at[0].set(2.5)), ref) == pytest.approx(0.25)
+  with pytest.raises(ValueError):
+    tuner.relative_error(ref[0], ref)
+  assert tuner.default_tolerance(jnp.bfloat16) > tuner.default_tolerance(jnp.float32)
+
+
+def test_tune_attention_forward_on_interpret(cache_path):
+  """Real kernels in interpret mode: tiny space, stored, then found by lookup."""
+  from pallas_attn import analyze_variant
+  causal = lambda b, h, q, k: q >= k
+  s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
+  result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
+                                mask_mod=causal, budget_s=60, warmup=1, reps=2)
+  assert all(t.ok for t in result.trials) and len(result.trials) == 4
+  fingerprint = analyze_variant(mask_mod=causal).fingerprint()
+  assert _lookup(fingerprint=fingerprint, s=s) == result.best
+
+
+def test_tune_attention_backward_on_interpret(cache_path):
+  s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
+  result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
+                                template="backward", max_candidates=2, warmup=1, reps=2,
+                                store=False)
+  assert sum(t.ok for t in result.trials) == 2
+  assert not cache_path.exists()
