@@ -1,12 +1,13 @@
 """pallas_attn: attention variants written as plain JAX, compiled to fused Pallas kernels."""
 from pallas_attn.api import attention
+from pallas_attn.kernels.block_mask import BlockMask, block_mask
 from pallas_attn.reference import attention_reference
 from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.trace import VariantError
 
 __all__ = [
-    "attention", "attention_reference", "AttentionConfig", "LinearAttentionConfig",
+    "attention", "attention_reference", "BlockMask", "block_mask", "AttentionConfig", "LinearAttentionConfig",
     "analyze_variant", "VariantError",
 ]
 __version__ = "0.1.0"

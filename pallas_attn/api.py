@@ -1,12 +1,14 @@
 """`pallas_attn.attention`: validation, analysis, padding and dispatch."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_attn.kernels import backend, parallel_forward, tiles
+from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 
@@ -92,14 +94,40 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   cfg = resolve_config(config, analysis, q, k, v)
-  out, stat = _attention_forward(q, k, v, analysis, cfg, scale,
-                                 backend.resolve_interpret(interpret))
+  interpret = backend.resolve_interpret(interpret)
+  block_mask = _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret)
+  if block_mask is not None:
+    cfg = dataclasses.replace(cfg, block_q=block_mask.block_q, block_k=block_mask.block_k)
+  out, stat = _attention_forward(q, k, v, analysis, cfg, scale, block_mask, interpret)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)
 
 
-def _attention_forward(q, k, v, analysis, cfg, scale, interpret):
+def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
+  """The caller's block mask (checked), or one built for this call's mask_mod."""
+  batch, seq_q, heads, _ = q.shape
+  seq_kv = k.shape[1]
+  if analysis.mask_mod is None:
+    if block_mask is not None:
+      raise ValueError("block_mask was given without the mask_mod it was built from")
+    return None
+  if block_mask is None:
+    return block_mask_lib.build_block_mask(analysis, batch, heads, seq_q, seq_kv,
+                                           cfg.block_q, cfg.block_k, interpret)
+  if not isinstance(block_mask, block_mask_lib.BlockMask):
+    raise TypeError(f"block_mask must come from pallas_attn.block_mask; got {type(block_mask)}")
+  if (block_mask.seq_q, block_mask.seq_kv) != (seq_q, seq_kv):
+    raise ValueError(f"block_mask was built for (Sq, Skv) = ({block_mask.seq_q}, "
+                     f"{block_mask.seq_kv}), not ({seq_q}, {seq_kv})")
+  bm_b, bm_h = block_mask.kv_partial_num.shape[:2]
+  if bm_b not in (1, batch) or bm_h not in (1, heads):
+    raise ValueError(f"block_mask has batch/head extents ({bm_b}, {bm_h}); expected 1 or "
+                     f"({batch}, {heads})")
+  return block_mask
+
+
+def _attention_forward(q, k, v, analysis, cfg, scale, block_mask, interpret):
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
   bq, bk = cfg.block_q, cfg.block_k
@@ -114,7 +142,8 @@ def _attention_forward(q, k, v, analysis, cfg, scale, interpret):
       scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
       seq_q=seq_q, seq_kv=seq_kv, block_q=bq, block_k=bk,
       num_kv_blocks=seq_kv_pad // bk, group=heads // k.shape[2],
-      fp32_exact=q.dtype == jnp.float32, block_sparse=False)
-  out, stat = parallel_forward.forward(qp, kp, vp, capture_arrays, (), plan=plan,
-                                       config=cfg, interpret=interpret)
+      fp32_exact=q.dtype == jnp.float32, block_sparse=block_mask is not None)
+  block_mask_arrays = () if block_mask is None else block_mask.q_major()
+  out, stat = parallel_forward.forward(qp, kp, vp, capture_arrays, block_mask_arrays,
+                                       plan=plan, config=cfg, interpret=interpret)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

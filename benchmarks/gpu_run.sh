@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU-machine call: compiled (gpu-marked) tests, then benchmarks; logs under $OUT.
+# Usage: bash benchmarks/gpu_run.sh "TEST_PATHS" "BENCH_COMMANDS"
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+python3 -c "import jax; print(jax.__version__, jax.devices())"
+if [ -n "${1:-}" ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider $1 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+if [ -n "${2:-}" ]; then
+  eval "$2" 2>&1 | tee "$OUT/bench.log"
+fi

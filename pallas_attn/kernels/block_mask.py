@@ -1,0 +1,148 @@
+"""Block sparsity from mask_mod: which (q block, kv block) tiles to visit.
+
+A small Pallas kernel evaluates mask_mod tile by tile (with the same
+interpreter and captured-array blocking as the attention kernels) and
+classifies each tile as empty, partial or full, so no dense `[B, H, Sq, Skv]`
+mask ever exists in memory. The classes become index lists, as in
+FlexAttention: for each q block, the kv blocks that need the mask and the
+ones that don't (forward and dq), and the transpose (dk/dv). Empty tiles
+are never visited. When mask_mod ignores b or h, that axis has size 1 and
+is broadcast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import backend, tiles
+from pallas_attn.schedule.config import clamp_block
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["kv_partial_num", "kv_partial_idx", "kv_full_num", "kv_full_idx",
+                 "q_partial_num", "q_partial_idx", "q_full_num", "q_full_idx"],
+    meta_fields=["block_q", "block_k", "seq_q", "seq_kv"])
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """Tile lists of a mask. `kv_*` are q-major (`[Bm, Hm, nq]` counts and
+  `[Bm, Hm, nq, nk]` kv block indices); `q_*` are kv-major, for the dk/dv
+  pass. Bm, Hm are 1 where the mask does not depend on b, h."""
+  kv_partial_num: jax.Array
+  kv_partial_idx: jax.Array
+  kv_full_num: jax.Array
+  kv_full_idx: jax.Array
+  q_partial_num: jax.Array
+  q_partial_idx: jax.Array
+  q_full_num: jax.Array
+  q_full_idx: jax.Array
+  block_q: int
+  block_k: int
+  seq_q: int
+  seq_kv: int
+
+  def q_major(self) -> tuple:
+    """(partial num, partial idx, full num, full idx) per q block."""
+    return (self.kv_partial_num, self.kv_partial_idx, self.kv_full_num, self.kv_full_idx)
+
+  def kv_major(self) -> tuple:
+    """(partial num, partial idx, full num, full idx) per kv block."""
+    return (self.q_partial_num, self.q_partial_idx, self.q_full_num, self.q_full_idx)
+
+  def density(self) -> float:
+    """Fraction of tiles visited (partial or full)."""
+    nq, nk = self.kv_partial_idx.shape[-2:]
+    visited = self.kv_partial_num.sum() + self.kv_full_num.sum()
+    return visited / (nq * nk * self.kv_partial_num.shape[0] * self.kv_partial_num.shape[1])
+
+
+def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv, num_kv_blocks):
+  cap_refs, out_ref = refs[:-1], refs[-1]
+  qi, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  tile = tiles.TileContext(analysis, operands, blocked="q")
+  q_idx = tiles.tile_indices(qi * block_q, block_q, axis=0)
+  q_valid = q_idx < seq_q
+  slots = jax.lax.broadcasted_iota(jnp.int32, (1, out_ref.shape[-1]), 1)
+
+  def body(j, classes):
+    kv_start = j * block_k
+    kv_idx = tiles.tile_indices(kv_start, block_k, axis=1)
+    keep = jnp.logical_and(tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, block_k),
+                           kv_idx < seq_kv)
+    any_kept = jnp.max(jnp.where(keep & q_valid, 1, 0))
+    all_kept = jnp.min(jnp.where(keep | ~q_valid, 1, 0))
+    cls = jnp.where(all_kept == 1, FULL, jnp.where(any_kept == 1, PARTIAL, EMPTY))
+    return jnp.where(slots == j, cls, classes)
+
+  classes = jax.lax.fori_loop(0, num_kv_blocks, body,
+                              jnp.zeros((1, out_ref.shape[-1]), jnp.int32))
+  out_ref[...] = classes
+
+
+def classify_tiles(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
+                   interpret):
+  """`[Bm, Hm, nq, nk]` int32 tile classes (EMPTY / PARTIAL / FULL)."""
+  nq, nk = -(-seq_q // block_q), -(-seq_kv // block_k)
+  deps = analysis.mask_deps
+  mb = batch if "b" in deps else 1
+  mh = heads if "h" in deps else 1
+  arrays, operands = tiles.capture_operands(analysis, nq * block_q, nk * block_k)
+  nk_pad = max(16, 1 << (nk - 1).bit_length())
+  kernel = functools.partial(
+      _classify_kernel, analysis=analysis, operands=operands, block_q=block_q,
+      block_k=block_k, seq_q=seq_q, seq_kv=seq_kv, num_kv_blocks=nk)
+  call = backend.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((mb, mh, nq, nk_pad), jnp.int32),
+      grid=(nq, mb, mh),
+      in_specs=[tiles.capture_block_spec(op, x.shape, blocked="q", block=block_q)
+                for op, x in zip(operands, arrays)],
+      out_specs=pl.BlockSpec((None, None, 1, nk_pad), lambda i, b, h: (b, h, i, 0)),
+      num_warps=4, num_stages=1, interpret=interpret, name="pallas_attn_block_mask")
+  return call(*arrays)[..., :nk]
+
+
+def _tile_lists(classes):
+  """Per row of `classes`: (partial count, partial indices first, full count, full indices)."""
+  n = classes.shape[-1]
+  order = jnp.arange(n, dtype=jnp.int32)
+  partial = classes == PARTIAL
+  full = classes == FULL
+  partial_idx = jnp.argsort(jnp.where(partial, order, n + order), axis=-1).astype(jnp.int32)
+  full_idx = jnp.argsort(jnp.where(full, order, n + order), axis=-1).astype(jnp.int32)
+  return (partial.sum(-1, dtype=jnp.int32), partial_idx, full.sum(-1, dtype=jnp.int32), full_idx)
+
+
+def from_classes(classes, *, block_q, block_k, seq_q, seq_kv) -> BlockMask:
+  return BlockMask(*_tile_lists(classes), *_tile_lists(jnp.swapaxes(classes, -1, -2)),
+                   block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
+
+
+def build_block_mask(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
+                     interpret) -> BlockMask:
+  classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
+  return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
+
+
+def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=None,
+               interpret=None) -> BlockMask:
+  """Builds the tile lists of `mask_mod` once, for reuse across calls and layers.
+
+  Pass the result as `attention(..., mask_mod=mask_mod, block_mask=bm)`. The
+  block sizes become the kernel's block_q / block_k (defaults: the
+  heuristic config's).
+  """
+  from pallas_attn.schedule.config import heuristic_config
+  default = heuristic_config(seq_q, seq_kv, 128, 128)
+  block_q = clamp_block(block_q or default.block_q, seq_q)
+  block_k = clamp_block(block_kv or default.block_k, seq_kv)
+  analysis = analyze_variant(mask_mod=mask_mod)
+  return build_block_mask(analysis, batch, heads, seq_q, seq_kv, block_q, block_k,
+                          backend.resolve_interpret(interpret))
