@@ -1,0 +1,99 @@
+"""Block sparsity: tile classes against a dense mask, reuse, broadcasting, errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn as pa
+from pallas_attn.kernels import block_mask as bm_lib
+from pallas_attn.reference import dense_mask
+from conftest import MODES, assert_close, qkv
+
+SMALL = pa.AttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=1)
+DOCS = jnp.array(np.sort(np.random.RandomState(1).randint(0, 3, size=(2, 45))), jnp.int32)
+PREFIX = jnp.array([5, 30], jnp.int32)
+MASKS = {
+    "causal": lambda b, h, qi, ki: qi >= ki,
+    "window": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 10),
+    "document": lambda b, h, qi, ki: DOCS[b, qi] == DOCS[b, ki],
+    "prefix_lm": lambda b, h, qi, ki: (ki < PREFIX[b]) | (qi >= ki),
+    "per_head": lambda b, h, qi, ki: (qi + 4 * h >= ki),
+    "all_masked_rows": lambda b, h, qi, ki: (qi < 20) & (ki < 40),
+}
+
+
+def dense_classes(mask, seq_q, seq_kv, bq, bk):
+  """Expected tile classes from a dense mask (padding: q rows ignored, kv columns masked)."""
+  nq, nk = -(-seq_q // bq), -(-seq_kv // bk)
+  full = np.zeros(mask.shape[:2] + (nq * bq, nk * bk), bool)
+  full[:, :, :seq_q, :seq_kv] = mask
+  valid = np.zeros((nq * bq, 1), bool)
+  valid[:seq_q] = True
+  tiles = full.reshape(*mask.shape[:2], nq, bq, nk, bk)
+  rows = np.broadcast_to(valid.reshape(nq, bq, 1, 1), tiles.shape[2:])
+  any_kept = (tiles & rows).any(axis=(3, 5))
+  all_kept = (tiles | ~rows).all(axis=(3, 5))
+  return np.where(all_kept, bm_lib.FULL, np.where(any_kept, bm_lib.PARTIAL, bm_lib.EMPTY))
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_tile_classes_match_dense_mask(name):
+  mask_mod = MASKS[name]
+  analysis = pa.analyze_variant(mask_mod=mask_mod)
+  classes = bm_lib.classify_tiles(analysis, 2, 4, 45, 45, 16, 16, interpret=True)
+  mask = np.asarray(dense_mask(mask_mod, 2, 4, 45, 45))
+  expected = dense_classes(mask, 45, 45, 16, 16)
+  deps = analysis.mask_deps
+  assert classes.shape[0] == (2 if "b" in deps else 1)
+  assert classes.shape[1] == (4 if "h" in deps else 1)
+  np.testing.assert_array_equal(classes, expected[:classes.shape[0], :classes.shape[1]])
+
+
+def test_tile_lists():
+  causal = pa.block_mask(MASKS["causal"], 1, 1, 64, 64, block_q=16, block_kv=16)
+  np.testing.assert_array_equal(causal.kv_full_num[0, 0], [0, 1, 2, 3])
+  np.testing.assert_array_equal(causal.kv_partial_num[0, 0], [1, 1, 1, 1])
+  np.testing.assert_array_equal(causal.kv_partial_idx[0, 0, :, 0], [0, 1, 2, 3])
+  np.testing.assert_array_equal(causal.q_full_num[0, 0], [3, 2, 1, 0])
+  np.testing.assert_array_equal(causal.q_full_idx[0, 0, 0, :3], [1, 2, 3])
+  assert float(causal.density()) == pytest.approx(10 / 16)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_block_mask_reuse_jit_and_vmap(interpret):
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  mask_mod = MASKS["document"]
+  bm = pa.block_mask(mask_mod, 2, 4, 45, 45, block_q=16, block_kv=16, interpret=interpret)
+  ref = pa.attention_reference(q, k, v, mask_mod=mask_mod)
+  run = lambda q, k, v, bm: pa.attention(q, k, v, mask_mod=mask_mod, block_mask=bm,
+                                         interpret=interpret)
+  assert_close(run(q, k, v, bm), ref)
+  assert_close(jax.jit(run)(q * 0.5, k, v, bm),
+               pa.attention_reference(q * 0.5, k, v, mask_mod=mask_mod))
+  causal = pa.block_mask(MASKS["causal"], 1, 1, 45, 45, block_q=16, block_kv=16,
+                         interpret=interpret)
+  stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
+  out = jax.vmap(lambda q, k, v: pa.attention(q, k, v, mask_mod=MASKS["causal"],
+                                              block_mask=causal, interpret=interpret))(*stacked)
+  for i in range(2):
+    assert_close(out[i], pa.attention_reference(*(x[i] for x in stacked),
+                                                mask_mod=MASKS["causal"]))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("name", ["window", "prefix_lm", "per_head", "all_masked_rows"])
+def test_sparse_masks_forward(name, interpret):
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  out = pa.attention(q, k, v, mask_mod=MASKS[name], config=SMALL, interpret=interpret)
+  assert_close(out, pa.attention_reference(q, k, v, mask_mod=MASKS[name]))
+
+
+def test_block_mask_errors():
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  bm = pa.block_mask(MASKS["causal"], 1, 1, 45, 45, block_q=16, block_kv=16)
+  with pytest.raises(ValueError, match="without the mask_mod"):
+    pa.attention(q, k, v, block_mask=bm)
+  with pytest.raises(ValueError, match="built for"):
+    pa.attention(q[:, :30], k, v, mask_mod=MASKS["causal"], block_mask=bm)
+  with pytest.raises(TypeError, match="pallas_attn.block_mask"):
+    pa.attention(q, k, v, mask_mod=MASKS["causal"], block_mask=np.ones((4, 4)))
