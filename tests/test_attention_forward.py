@@ -66,6 +66,7 @@ def _captures(batch, heads, seq_q, seq_kv):
       query_bias=random((seq_q,), seed=10),
       transposed=random((seq_kv, seq_q), seed=11),
       temperature=jnp.float32(1.3),
+      broadcast_batch=random((1, seq_kv), seed=12),
   )
 
 
@@ -77,6 +78,7 @@ SCORE_MODS = {
     "key_padding_bias": lambda c: lambda s, b, h, qi, ki: s + c["key_bias"][b, ki],
     "query_bias": lambda c: lambda s, b, h, qi, ki: s * c["query_bias"][qi],
     "kv_q_layout": lambda c: lambda s, b, h, qi, ki: s + c["transposed"][ki, qi],
+    "size1_batch_axis": lambda c: lambda s, b, h, qi, ki: s + c["broadcast_batch"][b, ki],
     "scalar_capture": lambda c: lambda s, b, h, qi, ki: s / c["temperature"],
     "index_only": lambda c: lambda s, b, h, qi, ki: s + jnp.where(qi % 3 == 0, 0.5, -0.25),
 }

@@ -76,10 +76,11 @@ def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv,
     kv_idx = tiles.tile_indices(kv_start, block_k, axis=1)
     keep = jnp.logical_and(tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, block_k),
                            kv_idx < seq_kv)
-    any_kept = jnp.max(jnp.where(keep & q_valid, 1, 0))
-    all_kept = jnp.min(jnp.where(keep | ~q_valid, 1, 0))
-    cls = jnp.where(all_kept == 1, FULL, jnp.where(any_kept == 1, PARTIAL, EMPTY))
-    return jnp.where(slots == j, cls, classes)
+    # Integer arithmetic, not selects on booleans (Triton rejects mixed-type selects):
+    # class = any kept + all kept = EMPTY (0), PARTIAL (1) or FULL (2).
+    any_kept = jnp.max(jnp.logical_and(keep, q_valid).astype(jnp.int32))
+    all_kept = jnp.min(jnp.logical_or(keep, jnp.logical_not(q_valid)).astype(jnp.int32))
+    return classes + (slots == j).astype(jnp.int32) * (any_kept + all_kept)
 
   classes = jax.lax.fori_loop(0, num_kv_blocks, body,
                               jnp.zeros((1, out_ref.shape[-1]), jnp.int32))

@@ -105,6 +105,9 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
       for axis, start, size in zip(view.open_axes, eqn.invars[1:], sizes):
         start_tag = tag(start)
         dim = view.shape[axis]
+        if dim == 1:
+          view.addr[axis] = 0  # broadcast axis: any index reads element 0
+          continue
         if size == dim:
           continue  # axis kept whole (the start is clamped to 0)
         if size != 1:
@@ -112,9 +115,7 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
               f"{traced.name} slices a captured array of shape {view.shape} "
               f"with a window of {size} at {source_line(eqn)}; index every "
               "axis with a single b, h, q_idx, kv_idx or a constant.")
-        if dim == 1:
-          view.addr[axis] = 0
-        elif is_literal(start):
+        if is_literal(start):
           view.addr[axis] = int(start.val)
         elif start_tag is not None and start_tag[0] == "idx":
           view.addr[axis] = start_tag[1]

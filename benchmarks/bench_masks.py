@@ -1,0 +1,177 @@
+"""Masked variants: block skipping, block-mask build cost, and FlexAttention as the peer.
+
+Run on the GPU machine: `python benchmarks/bench_masks.py --out DIR`. Writes
+DIR/masks.json and prints a short table last. TFLOP/s count only unmasked
+(q, kv) pairs. FlexAttention (torch.compile'd) runs in the same process on
+the same GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
+
+import jax
+import jax.numpy as jnp
+
+import pallas_attn as pa
+from bench_forward import environment, inputs, time_fn
+from pallas_attn.schedule.timing import attention_flops
+
+HEADS, D = 16, 128
+
+
+def causal(b, h, qi, ki):
+  return qi >= ki
+
+
+def window(size):
+  return lambda b, h, qi, ki: (qi >= ki) & (qi - ki < size)
+
+
+def documents(batch, seq, count):
+  ids = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32) * count // seq, (batch, seq))
+  return ids, lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (qi >= ki)
+
+
+def density(mask_mod, seq):
+  """Exact fraction of kept pairs (b = h = 0), from a strided dense sample."""
+  if mask_mod is None:
+    return 1.0
+  stride = max(1, seq // 2048)
+  idx = jnp.arange(0, seq, stride, dtype=jnp.int32)
+  m = jax.vmap(lambda qi: jax.vmap(lambda ki: mask_mod(0, 0, qi, ki))(idx))(idx)
+  return float(m.mean())
+
+
+def build_ms(mask_mod, batch, seq):
+  fn = jax.jit(lambda: pa.block_mask(mask_mod, batch, HEADS, seq, seq).kv_partial_num)
+  jax.block_until_ready(fn())
+  start = time.perf_counter()
+  for _ in range(10):
+    jax.block_until_ready(fn())
+  return (time.perf_counter() - start) / 10 * 1e3
+
+
+def flex_peer(batch, seq, variant):
+  """FlexAttention forward ms for a named variant, or None if torch is unavailable."""
+  try:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from triton.testing import do_bench
+  except Exception:
+    return None
+  dev = "cuda"
+  q, k, v = (torch.randn(batch, HEADS, seq, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+  slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, device=dev) / HEADS)
+  masks = {"causal": lambda b, h, qi, ki: qi >= ki,
+           "sliding_window_256": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 256)}
+  score_mods = {"softcap": lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0),
+                "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)}
+  block_mask = (create_block_mask(masks[variant], None, None, seq, seq, device=dev)
+                if variant in masks else None)
+  fn = torch.compile(flex_attention)
+  run = lambda: fn(q, k, v, score_mod=score_mods.get(variant), block_mask=block_mask)
+  run()
+  torch.cuda.synchronize()
+  return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--out", default="benchmarks/results")
+  args = parser.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  results = {"environment": environment(), "causal": [], "window": [], "peers": [],
+             "build_ms": {}, "errors": []}
+  from jax.experimental.pallas.ops.gpu import attention as pallas_ref
+
+  for seq in (4096, 8192, 16384):
+    batch = 16384 // seq
+    q, k, v = inputs(batch, seq, HEADS, D, D)
+    dense_ms, _ = time_fn(lambda q, k, v: pa.attention(q, k, v), q, k, v)
+    causal_ms, _ = time_fn(lambda q, k, v: pa.attention(q, k, v, mask_mod=causal), q, k, v)
+    ref_ms, _ = time_fn(lambda q, k, v: pallas_ref.mha(
+        q, k, v, None, sm_scale=D ** -0.5, causal=True), q, k, v)
+    cudnn_ms, _ = time_fn(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"), q, k, v)
+    row = dict(seq=seq, batch=batch, dense_ms=dense_ms, causal_ms=causal_ms,
+               pallas_ref_causal_ms=ref_ms, cudnn_causal_ms=cudnn_ms)
+    results["causal"].append(row)
+    print(json.dumps(row), flush=True)
+
+  seq = 16384
+  q, k, v = inputs(1, seq, HEADS, D, D)
+  for size in (256, 1024):
+    ms, err = time_fn(lambda q, k, v: pa.attention(q, k, v, mask_mod=window(size)), q, k, v)
+    results["window"].append(dict(seq=seq, window=size, ms=ms))
+    if err:
+      results["errors"].append(f"window {size}: {err}")
+  _, doc_mask = documents(1, seq, 8)
+  results["build_ms"] = {"causal_16k": build_ms(causal, 1, seq),
+                         "documents8_16k": build_ms(doc_mask, 1, seq)}
+
+  batch, seq = 4, 4096
+  q, k, v = inputs(batch, seq, HEADS, D, D)
+  slopes = 2.0 ** (-8.0 * jnp.arange(1, HEADS + 1) / HEADS)
+  _, doc4 = documents(batch, seq, 8)
+  variants = {
+      "vanilla": {},
+      "causal": dict(mask_mod=causal),
+      "softcap": dict(score_mod=lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)),
+      "alibi": dict(score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)),
+      "sliding_window_256": dict(mask_mod=window(256)),
+      "documents_8": dict(mask_mod=doc4),
+  }
+  for name, kw in variants.items():
+    flops = attention_flops(batch, HEADS, seq, seq, D, D, density=density(kw.get("mask_mod"), seq))
+    ours, err = time_fn(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
+    xla, _ = time_fn(lambda q, k, v, kw=kw: pa.attention_reference(q, k, v, **kw), q, k, v)
+    try:
+      flex = flex_peer(batch, seq, name) if name != "documents_8" else None
+    except Exception as e:
+      flex = None
+      results["errors"].append(f"flex {name}: {type(e).__name__}: {str(e)[:200]}")
+    row = dict(variant=name, flops=flops, ours_ms=ours, xla_ms=xla, flex_ms=flex)
+    if err:
+      results["errors"].append(f"ours {name}: {err}")
+    results["peers"].append(row)
+    print(json.dumps(row), flush=True)
+  with open(os.path.join(args.out, "masks.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print_table(results)
+
+
+def _tf(flops, ms):
+  return "n/a" if not ms else f"{flops / ms / 1e9:.0f}"
+
+
+def print_table(results):
+  env = results["environment"]
+  print(f"\n{env['device']}  {env['date']}  jax {env['jax']}  torch {env['torch']}")
+  print("causal vs dense forward (bf16 H16 d128, 16k tokens)")
+  for r in results["causal"]:
+    ratio = r["causal_ms"] / r["dense_ms"] if r["causal_ms"] and r["dense_ms"] else float("nan")
+    vs_ref = (r["pallas_ref_causal_ms"] / r["causal_ms"]
+              if r["causal_ms"] and r["pallas_ref_causal_ms"] else float("nan"))
+    print(f"  S={r['seq']:>5}: dense {r['dense_ms']:.2f} ms, causal {r['causal_ms']:.2f} ms "
+          f"(x{ratio:.2f} of dense), pallas_ref causal {r['pallas_ref_causal_ms']:.2f} ms "
+          f"(ours {vs_ref:.2f}x faster), cudnn causal {r['cudnn_causal_ms']} ms")
+  for r in results["window"]:
+    print(f"  sliding window {r['window']:>4} at S={r['seq']}: {r['ms']} ms")
+  print(f"  block mask build: {results['build_ms']}")
+  print("B4 H16 S4096 d128 forward TFLOP/s (masked FLOPs not counted)")
+  print(f"  {'variant':<20} {'ours':>6} {'flex':>6} {'xla':>6} {'ours/flex':>9}")
+  for r in results["peers"]:
+    ratio = r["flex_ms"] / r["ours_ms"] if r["flex_ms"] and r["ours_ms"] else float("nan")
+    print(f"  {r['variant']:<20} {_tf(r['flops'], r['ours_ms']):>6} "
+          f"{_tf(r['flops'], r['flex_ms']):>6} {_tf(r['flops'], r['xla_ms']):>6} {ratio:>9.2f}")
+  for e in results["errors"]:
+    print("  error:", e)
+
+
+if __name__ == "__main__":
+  main()
