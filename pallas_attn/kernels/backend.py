@@ -8,10 +8,11 @@ later stand beside the Triton one by adding a branch here.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
@@ -32,10 +33,16 @@ def compiler_params(num_warps: int, num_stages: int):
   return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+# JAX 0.11 warns at lowering (often inside jit compilation) that the Triton
+# backend is deprecated. We select it on purpose and keep that choice here.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
+
+
 def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
                 num_stages: int, interpret: bool, name: str):
   """`pl.pallas_call` on the Triton backend (or in interpret mode)."""
-  call = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=grid,
@@ -46,16 +53,6 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,
       name=name,
   )
 
-  @functools.wraps(call)
-  def run(*args):
-    with warnings.catch_warnings():
-      # JAX 0.11 warns at lowering that the Triton backend is deprecated; we
-      # select it on purpose and keep the choice in this module.
-      warnings.filterwarnings("ignore", message=".*[Tt]riton.*deprecat.*")
-      return call(*args)
-
-  return run
-
 
 def dot(a, b, *, trans_b: bool = False, fp32_exact: bool = False):
   """Matrix product with float32 accumulation.
@@ -63,8 +60,6 @@ def dot(a, b, *, trans_b: bool = False, fp32_exact: bool = False):
   `fp32_exact` asks for IEEE float32 products (not TF32) when both operands
   are float32, so that float32 inputs meet float32 tolerances on the GPU.
   """
-  import jax.numpy as jnp
-  from jax import lax
   dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
   precision = lax.Precision.HIGHEST if fp32_exact else None
   return lax.dot_general(a, b, dims, precision=precision,
