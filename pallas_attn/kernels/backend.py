@@ -16,9 +16,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-BACKEND = "triton"
-
-
 def default_interpret() -> bool:
   """Interpret mode when JAX's default backend is the CPU (tests, CI)."""
   return jax.default_backend() == "cpu"
