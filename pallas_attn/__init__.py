@@ -5,9 +5,10 @@ from pallas_attn.reference import attention_reference
 from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.trace import VariantError
+from pallas_attn import variants
 
 __all__ = [
     "attention", "attention_reference", "BlockMask", "block_mask", "AttentionConfig", "LinearAttentionConfig",
-    "analyze_variant", "VariantError",
+    "analyze_variant", "VariantError", "variants",
 ]
 __version__ = "0.1.0"
