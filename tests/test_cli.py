@@ -93,6 +93,15 @@ def test_unloadable_variant_files(capsys, tmp_path):
   assert "defines neither VARIANT nor" in usage_error(capsys, "explain", str(empty))
 
 
+def test_uncompilable_variant_is_reported(capsys, tmp_path):
+  sorting = tmp_path / "sorting.py"
+  sorting.write_text("import jax.numpy as jnp\n"
+                     "def score_mod(score, b, h, q_idx, kv_idx):\n"
+                     "  return jnp.sort(jnp.stack([score, score]))[0]\n")
+  code, _, err = run(capsys, "explain", str(sorting))
+  assert code == 1 and "cannot be compiled" in err and "score_mod" in err
+
+
 def test_unknown_variant_lists_known_ones(capsys):
   message = usage_error(capsys, "tune", "no_such_variant", *TINY)
   assert "unknown variant 'no_such_variant'" in message and "causal" in message

@@ -1,5 +1,4 @@
 """Scheduling: device table, resource model and search space, timing, cache, tuner."""
-import dataclasses
 import json
 import os
 import threading
@@ -54,9 +53,10 @@ def test_lookup_device(kind, name, smem_kib, warp):
   assert config.kind == kind and not config.interpret
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU entry")
 def test_device_config_on_cpu_is_interpret():
   config = device_lib.device_config()
-  assert jax.default_backend() != "cpu" or (config.interpret and config.smem_per_block is None)
+  assert config.interpret and config.smem_per_block is None and config.kind == "cpu"
 
 
 def test_device_config_reads_core_count_and_rocm():
@@ -364,3 +364,18 @@ def test_tune_attention_backward_on_interpret(cache_path):
                                 store=False)
   assert sum(t.ok for t in result.trials) == 2
   assert not cache_path.exists()
+
+
+def test_tune_attention_masked_backward_keeps_forward_blocks(cache_path):
+  s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
+  forward = AttentionConfig(16, 32, 4, 3)
+  result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
+                                mask_mod=lambda b, h, q, k: q >= k, template="backward",
+                                forward_config=forward, warmup=1, reps=2, store=False)
+  assert all(t.ok for t in result.trials)
+  assert {(c.block_q, c.block_k) for c in (t.config for t in result.trials[1:])} == {(16, 32)}
+
+
+def test_tune_needs_candidates():
+  with pytest.raises(ValueError, match="nothing to tune"):
+    tuner.tune(lambda c: None, [])

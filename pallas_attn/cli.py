@@ -1,0 +1,300 @@
+"""pallas-attn: tune, benchmark and explain attention variants; manage the tuning cache.
+
+  pallas-attn tune causal --seq-q 4096 --d-qk 128 --budget 60
+  pallas-attn bench vanilla causal softcap --seq-q 4096
+  pallas-attn explain my_variant.py --seq-q 2048
+  pallas-attn demo ...
+  pallas-attn cache list | clear | export PATH | merge PATH
+
+A variant is a built-in name (`pallas_attn.variants.NAMES`) or a Python file
+that defines `VARIANT` (a Variant) or any of `score_mod`, `mask_mod`,
+`rownorm`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+
+from pallas_attn import bench as bench_lib
+from pallas_attn.schedule import cache as cache_lib
+from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, ProblemShape,
+                                               default_config, format_config,
+                                               prune_reason, search_space)
+
+DTYPES = ("bfloat16", "float16", "float32")
+_FILE_NAMES = ("score_mod", "mask_mod", "rownorm")
+
+
+class UsageError(Exception):
+  """A bad argument found after parsing (unknown variant, unreadable file, ...)."""
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+  return value
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+  return value
+
+
+def _load_variant_file(path: pathlib.Path) -> dict:
+  if not path.is_file():
+    raise UsageError(f"no such variant file: {path}")
+  spec = importlib.util.spec_from_file_location(f"_pallas_attn_variant_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # The user's file: report whatever it raised.
+    raise UsageError(f"cannot load variant file {path}: {type(e).__name__}: {e}") from e
+  if hasattr(module, "VARIANT"):
+    return dict(module.VARIANT.kwargs())
+  found = {name: getattr(module, name) for name in _FILE_NAMES if hasattr(module, name)}
+  if not found:
+    raise UsageError(f"{path} defines neither VARIANT nor any of {', '.join(_FILE_NAMES)}")
+  return found
+
+
+def load_variant(spec: str, shape: ProblemShape) -> dict:
+  """The attention kwargs (score_mod, mask_mod, rownorm) of a variant name or .py file."""
+  path = pathlib.Path(spec)
+  if spec.endswith(".py") or path.exists():
+    return _load_variant_file(path)
+  from pallas_attn import variants
+  if spec not in variants.NAMES:
+    raise UsageError(f"unknown variant {spec!r}; known variants: "
+                     f"{', '.join(variants.NAMES)} (or a path to a .py file)")
+  return dict(variants.by_name(spec, num_heads=shape.heads_q, seq_q=shape.seq_q,
+                               seq_kv=shape.seq_kv).kwargs())
+
+
+def _shape(args) -> ProblemShape:
+  heads_kv = args.kv_heads or args.heads
+  if args.heads % heads_kv:
+    raise UsageError(f"--heads {args.heads} is not a multiple of --kv-heads {heads_kv}")
+  seq_kv, d_v = args.seq_kv or args.seq_q, args.d_v or args.d_qk
+  return ProblemShape.from_shapes(
+      (args.batch, args.seq_q, args.heads, args.d_qk),
+      (args.batch, seq_kv, heads_kv, args.d_qk),
+      (args.batch, seq_kv, heads_kv, d_v), args.dtype)
+
+
+def _chosen_config(template: str, fingerprint: str, shape: ProblemShape):
+  """The config `attention(config="auto")` would use, and where it came from."""
+  config = cache_lib.lookup_config(template, fingerprint, q_shape=shape.q_shape,
+                                   k_shape=shape.k_shape, v_shape=shape.v_shape,
+                                   dtype=shape.dtype)
+  if config is not None:
+    return config, "from the tuning cache"
+  return default_config(template, shape), "heuristic (no tuned cache entry)"
+
+
+def _progress(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
+def cmd_tune(args) -> int:
+  from pallas_attn.schedule.device import current_device_kind
+  from pallas_attn.schedule.tuner import tune_attention
+  shape = _shape(args)
+  variant = load_variant(args.variant, shape)
+  print(f"tuning {args.variant} ({args.template}) for {bench_lib.describe_shape(shape)} "
+        f"on {current_device_kind()}, budget {args.budget:g} s", flush=True)
+  try:
+    result = tune_attention(
+        shape.q_shape, shape.k_shape, shape.v_shape, dtype=shape.dtype, **variant,
+        template=args.template, budget_s=args.budget, max_candidates=args.max_candidates,
+        store=not args.no_store, progress=_progress)
+  except RuntimeError as e:
+    print(f"pallas-attn: tuning failed: {e}", file=sys.stderr)
+    return 1
+  tried = sum(t.ok for t in result.trials)
+  print(f"timed {tried} of {len(result.trials) + result.skipped} configs in "
+        f"{result.elapsed_s:.1f} s ({result.skipped} skipped by the budget)")
+  print(f"best:      {format_config(result.best)}  {result.best_ms:.4g} ms")
+  if result.baseline_ms is None:
+    print(f"heuristic: {format_config(result.baseline)}  failed "
+          f"({result.trials[0].error})")
+  else:
+    print(f"heuristic: {format_config(result.baseline)}  {result.baseline_ms:.4g} ms")
+    print(f"speedup over the heuristic: {result.speedup:.2f}x")
+  if not args.no_store:
+    print(f"stored in {cache_lib.default_cache_path()}")
+  return 0
+
+
+def cmd_bench(args) -> int:
+  shape = _shape(args)
+  variants = [(name, load_variant(name, shape)) for name in args.variants]
+  print(f"{bench_lib.describe_shape(shape)}, {args.mode}", flush=True)
+  rows = []
+  for name, variant in variants:
+    rows += bench_lib.bench_variant(name, variant, shape, mode=args.mode,
+                                    impls=args.impls, warmup=args.warmup, reps=args.reps)
+  print(bench_lib.format_table(rows))
+  return 0
+
+
+def cmd_explain(args) -> int:
+  from pallas_attn.schedule.device import device_config
+  from pallas_attn.spec.analysis import analyze_variant
+  shape = _shape(args)
+  analysis = analyze_variant(**load_variant(args.variant, shape))
+  device = device_config()
+  print(f"variant {args.variant}")
+  print(analysis.describe())
+  print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
+  for template in args.templates:
+    config, source = _chosen_config(template, analysis.fingerprint(), shape)
+    print(f"{template}: {format_config(config)}  [{source}]")
+    if template == "backward" and analysis.mask_mod is not None:
+      print("  block_q/block_k follow the forward's block mask (a mask_mod is set)")
+    reason = prune_reason(template, config, shape, device)
+    if reason:
+      print(f"  warning: the resource model rejects it: {reason}")
+    print("  " + search_space(template, shape, device).summary(
+        verbose=args.verbose).replace("\n", "\n  "))
+  return 0
+
+
+def cmd_demo(args) -> int:
+  from pallas_attn import demo
+  return demo.main(args.extra)
+
+
+def _format_entry(entry: dict) -> str:
+  key = entry.get("key", {})
+  time_ms, baseline_ms = entry.get("time_ms"), entry.get("baseline_ms")
+  timing = "" if time_ms is None else f"  {time_ms:.4g} ms"
+  if time_ms and baseline_ms:
+    timing += f" ({baseline_ms / time_ms:.2f}x)"
+  return (f"{key.get('template')}  fp={key.get('fingerprint')}  "
+          f"BH<={key.get('batch_heads')} group={key.get('group')} Sq<={key.get('seq_q')} "
+          f"Skv<={key.get('seq_kv')} Dqk={key.get('d_qk')} Dv={key.get('d_v')} "
+          f"{key.get('dtype')}  {key.get('device_kind')}  jax {key.get('jax_version')} "
+          f"pallas_attn {key.get('pallas_attn_version')}\n"
+          f"    {' '.join(f'{k}={v}' for k, v in entry.get('config', {}).items())}{timing}")
+
+
+def cmd_cache(args) -> int:
+  cache = cache_lib.get_cache()
+  try:
+    if args.action == "list":
+      entries = cache.entries()
+      print(f"{cache.path}: {len(entries)} entries")
+      for key in sorted(entries):
+        print(_format_entry(entries[key]))
+    elif args.action == "clear":
+      print(f"removed {cache.clear()} entries from {cache.path}")
+    elif args.action == "export":
+      print(f"exported {cache.export(args.path)} entries to {args.path}")
+    else:
+      print(f"merged {cache.merge(args.path)} entries from {args.path} into {cache.path}")
+  except cache_lib.CacheFileError as e:
+    print(f"pallas-attn: error: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _add_shape_args(parser: argparse.ArgumentParser, seq: int) -> None:
+  group = parser.add_argument_group("shape")
+  group.add_argument("--batch", type=_positive_int, default=1)
+  group.add_argument("--heads", type=_positive_int, default=8, help="query heads")
+  group.add_argument("--kv-heads", type=_positive_int, default=None,
+                     help="key/value heads (default: --heads)")
+  group.add_argument("--seq-q", type=_positive_int, default=seq)
+  group.add_argument("--seq-kv", type=_positive_int, default=None,
+                     help="default: --seq-q")
+  group.add_argument("--d-qk", type=_positive_int, default=64)
+  group.add_argument("--d-v", type=_positive_int, default=None, help="default: --d-qk")
+  group.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="pallas-attn", description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  variant_help = "a built-in variant name or a .py file defining one"
+
+  tune = commands.add_parser("tune", help="tune a variant's tiles and store them in the cache")
+  tune.add_argument("variant", help=variant_help)
+  _add_shape_args(tune, seq=1024)
+  tune.add_argument("--template", choices=ATTENTION_TEMPLATES, default="forward")
+  tune.add_argument("--budget", type=_positive_float, default=60.0, metavar="SECONDS",
+                    help="stop starting new candidates after this long (default 60)")
+  tune.add_argument("--max-candidates", type=_positive_int, default=None, metavar="N",
+                    help="time at most the N candidates nearest the heuristic")
+  tune.add_argument("--no-store", action="store_true", help="do not write the cache")
+  tune.set_defaults(run=cmd_tune)
+
+  bench = commands.add_parser("bench", help="TFLOP/s of our kernels next to cuDNN, "
+                              "JAX's Pallas attention and XLA")
+  bench.add_argument("variants", nargs="*", default=["vanilla", "causal"],
+                     metavar="VARIANT", help=variant_help + " (default: vanilla causal)")
+  _add_shape_args(bench, seq=4096)
+  bench.add_argument("--mode", choices=bench_lib.MODES, default="fwd")
+  bench.add_argument("--impls", nargs="+", choices=bench_lib.IMPLS,
+                     default=list(bench_lib.IMPLS))
+  bench.add_argument("--warmup", type=_positive_int, default=3)
+  bench.add_argument("--reps", type=_positive_int, default=10)
+  bench.set_defaults(run=cmd_bench)
+
+  explain = commands.add_parser("explain", help="show what the compiler decides for a variant")
+  explain.add_argument("variant", help=variant_help)
+  _add_shape_args(explain, seq=1024)
+  explain.add_argument("--templates", nargs="+", choices=ATTENTION_TEMPLATES,
+                       default=["forward", "backward"])
+  explain.add_argument("--verbose", action="store_true",
+                       help="list every pruned config with its reason")
+  explain.set_defaults(run=cmd_explain)
+
+  # Every argument after `demo` (--help included) goes to pallas_attn.demo.main.
+  demo = commands.add_parser("demo", add_help=False,
+                             help="run the demo (arguments are passed on)")
+  demo.set_defaults(run=cmd_demo)
+
+  cache = commands.add_parser("cache", help="manage the tuning cache "
+                              f"(${cache_lib.CACHE_ENV} overrides its path)")
+  actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+  actions.add_parser("list", help="print every entry")
+  actions.add_parser("clear", help="remove every entry")
+  export = actions.add_parser("export", help="write the entries to a file others can merge")
+  export.add_argument("path")
+  merge = actions.add_parser("merge", help="add the entries of another cache file")
+  merge.add_argument("path")
+  cache.set_defaults(run=cmd_cache)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args, extra = parser.parse_known_args(argv)
+  if extra and args.command != "demo":
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  args.extra = extra
+  from pallas_attn.spec.trace import VariantError
+  try:
+    return args.run(args)
+  except UsageError as e:
+    parser.error(str(e))
+  except VariantError as e:
+    print(f"pallas-attn: the variant cannot be compiled:\n{e}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
