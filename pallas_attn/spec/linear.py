@@ -1,4 +1,4 @@
-"""Validation of linear-attention calls: shapes, dtypes, decay kinds, feature maps.
+"""Validation of linear-attention calls: shapes, dtypes, decays, feature maps.
 
 Everything here runs on shapes (and, where the caller passes concrete
 arrays, on values) before any kernel is traced, so that mistakes surface as
@@ -61,7 +61,8 @@ def _check_dtype(name: str, x) -> None:
 
 def _check_array(name: str, x, ndim: int, layout: str) -> None:
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}.")
+    raise TypeError(
+        f"{name} must be an array {layout}, got {type(x).__name__}.")
   if x.ndim != ndim:
     raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}.")
 

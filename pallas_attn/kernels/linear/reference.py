@@ -1,0 +1,127 @@
+"""Plain-JAX linear attention: a token-by-token `lax.scan` reference and a
+chunked jnp version (the pure-XLA baseline of `benchmarks/bench_linear.py`).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _expand_log_decay(log_decay, batch: int, seq_len: int, heads: int):
+  """log_decay as float32 [B, S, H, 1 or Dk'] (zeros when None)."""
+  if log_decay is None:
+    return jnp.zeros((batch, seq_len, heads, 1), jnp.float32)
+  log_decay = log_decay.astype(jnp.float32)
+  if log_decay.ndim == 1:
+    log_decay = jnp.broadcast_to(log_decay, (batch, seq_len, heads))
+  if log_decay.ndim == 3:
+    log_decay = log_decay[..., None]
+  return log_decay
+
+
+def linear_attention_reference(q, k, v, *, log_decay=None, q_mod=None,
+                               k_mod=None, normalize=False, scale=None,
+                               initial_state=None):
+  """The recurrence of `pallas_attn.linear_attention`, one token at a time.
+
+  Everything runs in float32 with HIGHEST-precision contractions. Same
+  arguments as `linear_attention`; returns (o [B, S, H, Dv] float32, final
+  state [B, H, Dk', Dv], plus the normaliser column with `normalize`).
+  """
+  batch, seq_len, heads, d_qk = q.shape
+  scale = 1.0 / math.sqrt(d_qk) if scale is None else scale
+  q = q.astype(jnp.float32)
+  k = k.astype(jnp.float32)
+  v = v.astype(jnp.float32)
+  q = q if q_mod is None else q_mod(q).astype(jnp.float32)
+  k = k if k_mod is None else k_mod(k).astype(jnp.float32)
+  log_decay = _expand_log_decay(log_decay, batch, seq_len, heads)
+  d_feature, d_v = k.shape[-1], v.shape[-1]
+  if initial_state is None:
+    state = jnp.zeros((batch, heads, d_feature, d_v), jnp.float32)
+    norm = jnp.zeros((batch, heads, d_feature), jnp.float32)
+  else:
+    initial_state = initial_state.astype(jnp.float32)
+    state = initial_state[..., :d_v]
+    norm = (initial_state[..., d_v] if normalize else
+            jnp.zeros((batch, heads, d_feature), jnp.float32))
+
+  def step(carry, inputs):
+    state, norm = carry
+    q_t, k_t, v_t, g_t = inputs  # [B, H, D]
+    decay = jnp.exp(g_t)
+    state = decay[..., None] * state + k_t[..., :, None] * v_t[..., None, :]
+    norm = decay * norm + k_t
+    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, state, precision=_HIGHEST)
+    if normalize:
+      o_t = o_t / (scale * jnp.sum(q_t * norm, axis=-1, keepdims=True))
+    return (state, norm), o_t
+
+  time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, log_decay)]
+  (state, norm), o = lax.scan(step, (state, norm), time_major)
+  if normalize:
+    state = jnp.concatenate([state, norm[..., None]], axis=-1)
+  return jnp.moveaxis(o, 0, 1), state
+
+
+def chunked_linear_attention_jnp(q, k, v, *, log_decay=None, scale=None,
+                                 initial_state=None, chunk_size: int = 64):
+  """Chunk-parallel linear attention in jnp (no feature maps, no normaliser).
+
+  The baseline a JAX user would write: per chunk, `(Q K^T * D) V` plus the
+  carried state, with a `lax.scan` over chunks. A vector gate is factored as
+  q * exp(g) and k * exp(-g) around the chunk start (g the chunk-cumulative
+  log decay), which overflows once a chunk's decay passes exp(-88); the
+  Pallas kernels avoid that, this baseline does not. S must be a multiple of
+  `chunk_size`. Returns (o float32, final state).
+  """
+  batch, seq_len, heads, d_qk = q.shape
+  d_v = v.shape[-1]
+  scale = 1.0 / math.sqrt(d_qk) if scale is None else scale
+  num_chunks = seq_len // chunk_size
+  if num_chunks * chunk_size != seq_len:
+    raise ValueError(f"S={seq_len} must be a multiple of chunk_size="
+                     f"{chunk_size}.")
+
+  def chunks(x):  # [B, S, H, D] -> [N, B, H, C, D]
+    x = x.astype(jnp.float32).reshape(batch, num_chunks, chunk_size, heads, -1)
+    return jnp.transpose(x, (1, 0, 3, 2, 4))
+
+  g = jnp.cumsum(chunks(_expand_log_decay(log_decay, batch, seq_len, heads)),
+                 axis=3)
+  g_last = g[:, :, :, -1:]
+  q_c, k_c, v_c = chunks(q), chunks(k), chunks(v)
+  causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+  if g.shape[-1] == 1:  # scalar decay: an exact decay matrix
+    diff = g[..., :, None, 0] - g[..., None, :, 0]
+    scores = jnp.einsum("nbhik,nbhjk->nbhij", q_c, k_c, precision=_HIGHEST)
+    scores = jnp.where(causal, scores * jnp.exp(jnp.where(causal, diff, 0.0)),
+                       0.0)
+  else:
+    scores = jnp.einsum("nbhik,nbhjk->nbhij", q_c * jnp.exp(g),
+                        k_c * jnp.exp(-g), precision=_HIGHEST)
+    scores = jnp.where(causal, scores, 0.0)
+  intra = jnp.einsum("nbhij,nbhjv->nbhiv", scores, v_c, precision=_HIGHEST)
+  q_in = q_c * jnp.exp(g)
+  k_out = k_c * jnp.exp(g_last - g)
+  state_decay = jnp.exp(jnp.swapaxes(g_last, -1, -2))  # [N, B, H, Dk or 1, 1]
+
+  def carry_state(state, inputs):
+    q_in, k_out, v, decay = inputs
+    out = jnp.einsum("bhik,bhkv->bhiv", q_in, state, precision=_HIGHEST)
+    state = decay * state + jnp.einsum("bhjk,bhjv->bhkv", k_out, v,
+                                       precision=_HIGHEST)
+    return state, out
+
+  if initial_state is None:
+    initial_state = jnp.zeros((batch, heads, d_qk, d_v), jnp.float32)
+  final_state, inter = lax.scan(carry_state, initial_state.astype(jnp.float32),
+                                (q_in, k_out, v_c, state_decay))
+  o = scale * (intra + inter)  # [N, B, H, C, Dv]
+  o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(batch, seq_len, heads, d_v)
+  return o, final_state

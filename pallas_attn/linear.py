@@ -1,0 +1,227 @@
+"""Linear attention: chunk-parallel Pallas kernels for decayed recurrences.
+
+One recurrence covers linear transformers, RetNet, gated retention, GLA and
+Mamba2's SSD. Per batch and head, with a state `S_t` of shape [Dk', Dv]:
+
+    S_t = diag(exp(log_decay_t)) S_{t-1} + phi_k(k_t)^T v_t
+    o_t = scale * phi_q(q_t) S_t                  (token t included)
+
+`linear_attention` runs it over a whole sequence (chunk-parallel forward and
+backward kernels); `linear_attention_step` advances it by one token for
+decoding. Both are differentiable in every array argument, including
+`log_decay` and the state.
+
+Recipes
+-------
+Mamba2 SSD (one SSM group per head; broadcast B/C over the heads of a group
+first). With x [B, S, H, P], dt [B, S, H] (after softplus), A [H] (< 0),
+B, C [B, S, H, N]::
+
+    y = linear_attention(C, B, x * dt[..., None], log_decay=dt * A, scale=1.0)
+    y = y + x * D[:, None]                       # skip connection, outside
+
+RetNet (multi-scale retention, recurrent form): gamma [H] in (0, 1)::
+
+    o = linear_attention(q, k, v, log_decay=jnp.log(gamma))
+
+Gated retention / GLA: a data-dependent gate per step and head ([B, S, H]) or
+per key feature ([B, S, H, Dk]), e.g.::
+
+    o = linear_attention(q, k, v, log_decay=jax.nn.log_sigmoid(gate_logits))
+
+Linear transformer (Katharopoulos et al.) with the elu+1 feature map and
+the normaliser `scale * phi(q_t) . z_t`, z_t = sum of phi(k_j)::
+
+    phi = lambda x: jax.nn.elu(x) + 1
+    o = linear_attention(q, k, v, q_mod=phi, k_mod=phi, normalize=True)
+
+Random-feature attention: `q_mod`/`k_mod` may change the feature width, e.g.
+`lambda x: jnp.concatenate([jnp.cos(x @ W), jnp.sin(x @ W)], -1)`.
+
+Processing a long sequence in pieces, and decoding after a prompt::
+
+    o1, state = linear_attention(q1, k1, v1, return_final_state=True)
+    o2, state = linear_attention(q2, k2, v2, initial_state=state,
+                                 return_final_state=True)
+    o_t, state = linear_attention_step(q_t, k_t, v_t, state)
+
+States are float32 [B, H, Dk', Dv]; with `normalize=True` they carry the
+normaliser z as one extra last column, [B, H, Dk', Dv + 1].
+
+Checks: shapes, dtypes and feature maps are validated eagerly; that
+`log_decay <= 0` is checked only for concrete arrays (under `jax.jit` or
+`jax.grad` it is a tracer and cannot be inspected). `-inf` (a hard reset)
+is allowed; step log decays below -100 count as -100 (exp(-100) underflows
+float32 anyway).
+
+Feature maps run in plain JAX just before the kernels (XLA fuses them with
+the padding the kernels need), so any jnp code works, including maps that
+close over arrays, and their gradients come from JAX autodiff.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn.kernels import backend
+from pallas_attn.kernels.linear.chunked_forward import (
+    ChunkedSchedule, heuristic_linear_config)
+from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
+from pallas_attn.spec import linear as spec_lib
+from pallas_attn.vjp.linear_backward import chunked_linear_attention
+
+FeatureMap = Callable[[jax.Array], jax.Array]
+
+
+def _features(feature_map: FeatureMap | None, x):
+  """phi(x) in x's dtype, outside the kernel for JAX to differentiate."""
+  return x if feature_map is None else feature_map(x).astype(x.dtype)
+
+
+def _pad_to(x, shape):
+  return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
+
+
+# Step log decays are clamped here: exp(-100) is below float32's smallest
+# normal number, and a finite floor keeps a hard reset (-inf) from turning
+# differences of cumulative decays into inf - inf.
+LOG_DECAY_FLOOR = -100.0
+
+
+def _kernel_log_decay(log_decay, spec: spec_lib.LinearAttentionSpec):
+  """log_decay as the kernel sees it: None, [B, S, H] or [B, S, H, Dk'] f32."""
+  if log_decay is None:
+    return None
+  log_decay = jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR)
+  if spec.decay_kind == spec_lib.DECAY_PER_HEAD:
+    return jnp.broadcast_to(log_decay, (spec.batch, spec.seq_len, spec.heads))
+  return log_decay
+
+
+def _kernel_decay_kind(kind: str) -> str:
+  return "scalar" if kind == spec_lib.DECAY_PER_HEAD else kind
+
+
+def linear_attention(q, k, v, *, log_decay=None,
+                     q_mod: FeatureMap | None = None,
+                     k_mod: FeatureMap | None = None, normalize: bool = False,
+                     scale: float | None = None, initial_state=None,
+                     return_final_state: bool = False,
+                     chunk_size: int | None = None,
+                     config: LinearAttentionConfig | None = None,
+                     interpret: bool | None = None):
+  """Decayed linear attention over a sequence (see the module docstring).
+
+  Args:
+    q, k: [B, S, H, Dk]; v: [B, S, H, Dv] (float32, bfloat16 or float16, one
+      dtype). S need not be a multiple of the chunk.
+    log_decay: None (no decay), [H] (constant per head), [B, S, H] (a scalar
+      per step and head) or [B, S, H, Dk'] (a gate per key feature); <= 0.
+    q_mod, k_mod: row-wise feature maps [..., Dk] -> [..., Dk'] written in
+      plain JAX (identity when None); their gradients come from JAX autodiff.
+    normalize: divide by `scale * phi(q_t) . z_t`, z_t the decayed sum of
+      phi(k_j) (linear transformer / random-feature attention).
+    scale: output scale, default 1/sqrt(Dk).
+    initial_state: [B, H, Dk', Dv] (Dv + 1 with normalize) state before the
+      first token; zeros when None.
+    return_final_state: also return the float32 state after the last token.
+    chunk_size: tokens per chunk (power of two >= 16); overrides `config`.
+    config: a LinearAttentionConfig (chunk_size, block_v, num_warps,
+      num_stages); a heuristic picks one when None.
+    interpret: run the kernels in Pallas interpret mode (default: on CPU).
+
+  Returns:
+    o [B, S, H, Dv] in q's dtype, or (o, final_state) with
+    `return_final_state`.
+  """
+  spec = spec_lib.check_linear_attention(
+      q, k, v, log_decay=log_decay, q_mod=q_mod, k_mod=k_mod,
+      normalize=normalize, scale=scale, initial_state=initial_state)
+  spec_lib.check_linear_config(chunk_size, config)
+  q_features, k_features = _features(q_mod, q), _features(k_mod, k)
+  values = v
+  if spec.normalize:  # the normaliser z is the state of a ones column
+    values = jnp.concatenate([v, jnp.ones(v.shape[:3] + (1,), v.dtype)], -1)
+  if initial_state is None:
+    initial_state = jnp.zeros(spec.state_shape, jnp.float32)
+  d_feature = next_power_of_2(max(spec.d_feature, 16))
+  d_values = next_power_of_2(max(values.shape[-1], 16))
+  decay_kind = _kernel_decay_kind(spec.decay_kind)
+  if config is None:
+    config = heuristic_linear_config(spec.seq_len, d_feature, d_values,
+                                     decay_kind)
+  chunk = chunk_size or config.chunk_size
+  block_v = min(config.block_v, d_values)
+  seq_len = math.ceil(spec.seq_len / chunk) * chunk
+  padded = (spec.batch, seq_len, spec.heads)
+  kernel_log_decay = _kernel_log_decay(log_decay, spec)
+  if kernel_log_decay is not None:  # padded steps do not decay
+    gate_width = (d_feature,) if kernel_log_decay.ndim == 4 else ()
+    kernel_log_decay = _pad_to(kernel_log_decay, padded + gate_width)
+  schedule = ChunkedSchedule(
+      decay_kind=decay_kind, scale=spec.scale,
+      chunk_size=chunk, block_v=block_v, num_warps=config.num_warps,
+      num_stages=config.num_stages,
+      interpret=backend.resolve_interpret(interpret),
+      out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name)
+  o, final_state = chunked_linear_attention(
+      _pad_to(q_features, padded + (d_feature,)),
+      _pad_to(k_features, padded + (d_feature,)),
+      _pad_to(values, padded + (d_values,)), kernel_log_decay,
+      _pad_to(initial_state.astype(jnp.float32),
+              (spec.batch, spec.heads, d_feature, d_values)),
+      schedule)
+  o = o[:, :spec.seq_len, :, :values.shape[-1]]
+  final_state = final_state[:, :, :spec.d_feature, :values.shape[-1]]
+  if spec.normalize:
+    o = o[..., :-1] / o[..., -1:]
+  o = o.astype(q.dtype)
+  return (o, final_state) if return_final_state else o
+
+
+def _step_decay(log_decay_t, kind: str):
+  """exp(log_decay_t) shaped to scale a [B, H, Dk', Dv] state."""
+  decay = jnp.exp(log_decay_t.astype(jnp.float32))
+  if kind == spec_lib.DECAY_PER_HEAD:
+    decay = decay[None, :]
+  if kind != spec_lib.DECAY_VECTOR:
+    decay = decay[..., None]
+  return decay[..., None]
+
+
+def linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t=None,
+                          q_mod: FeatureMap | None = None,
+                          k_mod: FeatureMap | None = None,
+                          normalize: bool = False, scale: float | None = None):
+  """One decoding step of `linear_attention` (pure JAX, float32 state).
+
+  Args:
+    q_t, k_t: [B, H, Dk]; v_t: [B, H, Dv].
+    state: [B, H, Dk', Dv] (Dv + 1 with normalize), e.g. the final state of
+      `linear_attention(..., return_final_state=True)` over the prompt.
+    log_decay_t: None, [H], [B, H] or [B, H, Dk'] for this step; <= 0.
+    q_mod, k_mod, normalize, scale: as in `linear_attention`.
+
+  Returns:
+    (o_t [B, H, Dv] in q_t's dtype, the state after this token).
+  """
+  spec = spec_lib.check_linear_attention_step(
+      q_t, k_t, v_t, state, log_decay_t=log_decay_t, q_mod=q_mod,
+      k_mod=k_mod, normalize=normalize, scale=scale)
+  q_features = _features(q_mod, q_t).astype(jnp.float32)
+  k_features = _features(k_mod, k_t).astype(jnp.float32)
+  values = v_t.astype(jnp.float32)
+  if spec.normalize:
+    values = jnp.concatenate([values, jnp.ones(values.shape[:2] + (1,))], -1)
+  state = state.astype(jnp.float32)
+  if log_decay_t is not None:
+    state = _step_decay(log_decay_t, spec.decay_kind) * state
+  state = state + k_features[..., :, None] * values[..., None, :]
+  o_t = spec.scale * jnp.einsum("bhk,bhkv->bhv", q_features, state,
+                                precision=jax.lax.Precision.HIGHEST)
+  if spec.normalize:
+    o_t = o_t[..., :-1] / o_t[..., -1:]
+  return o_t.astype(q_t.dtype), state
