@@ -7,10 +7,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_attn.kernels import backend, parallel_forward, tiles
+from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
+from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.vjp import attention_vjp
+from pallas_attn.vjp.parallel_backward import heuristic_backward_config
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -44,6 +47,10 @@ def padded_head_dim(d: int) -> int:
   return max(16, next_power_of_2(d))
 
 
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
 def _pad_to(x, axis, length):
   pad = length - x.shape[axis]
   if pad == 0:
@@ -53,17 +60,36 @@ def _pad_to(x, axis, length):
   return jnp.pad(x, widths)
 
 
+def _cached_config(template: str, analysis: VariantAnalysis, q, k, v):
+  return tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
+                                    k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
+
+
 def resolve_config(config, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
-  """An explicit config, else a tuned one from the cache, else the heuristic."""
+  """An explicit config, else a tuned one from the cache, else the heuristic.
+
+  A cache miss never triggers tuning (see `pallas-attn tune`).
+  """
   if isinstance(config, AttentionConfig):
     return config
   if config not in (None, "auto"):
     raise TypeError(f"config must be an AttentionConfig, 'auto' or None; got {config!r}")
-  return heuristic_config(q.shape[1], k.shape[1], q.shape[3], v.shape[3])
+  return (_cached_config("forward", analysis, q, k, v)
+          or heuristic_config(q.shape[1], k.shape[1], q.shape[3], v.shape[3]))
+
+
+def resolve_bwd_config(bwd_config, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
+  """An explicit backward config, else a tuned one from the cache, else the heuristic."""
+  if isinstance(bwd_config, AttentionConfig):
+    return bwd_config
+  if bwd_config not in (None, "auto"):
+    raise TypeError(f"bwd_config must be an AttentionConfig, 'auto' or None; got {bwd_config!r}")
+  return (_cached_config("backward", analysis, q, k, v)
+          or heuristic_backward_config(q.shape[1], k.shape[1], q.shape[3], v.shape[3]))
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
-              block_mask=None, config=None, interpret=None, return_lse=False):
+              block_mask=None, config=None, bwd_config=None, interpret=None, return_lse=False):
   """Attention with a user-defined variant, as one fused Pallas kernel.
 
   Layout as `jax.nn.dot_product_attention`: q `[B, Sq, Hq, Dqk]`, k
@@ -83,6 +109,10 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       mask_mod, reused across calls.
     config: an `AttentionConfig`, "auto" or None (tuned cache entry if any,
       else a heuristic).
+    bwd_config: the backward kernels' `AttentionConfig`, or None for a
+      heuristic. With a mask_mod, both passes use the block mask's block_q
+      and block_k (its tile lists serve both); only num_warps and
+      num_stages of bwd_config apply then.
     interpret: None runs Pallas interpret mode on CPU and Triton on GPU.
     return_lse: also return the row statistic `[B, Hq, Sq]` float32:
       log-sum-exp for softmax, the divisor h(stats) for normalized
@@ -90,18 +120,34 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
 
   Masked positions get weight 0 under every rownorm and add nothing to row
   statistics; a row whose positions are all masked returns zeros (lse -inf).
+
+  Differentiable (`jax.custom_vjp`; dq, dk, dv and the gradients of float
+  arrays score_mod closes over come from Pallas kernels that recompute the
+  scores from the saved row statistics).
   """
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   cfg = resolve_config(config, analysis, q, k, v)
+  bwd_cfg = resolve_bwd_config(bwd_config, analysis, q, k, v)
   interpret = backend.resolve_interpret(interpret)
   block_mask = _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret)
   if block_mask is not None:
-    cfg = dataclasses.replace(cfg, block_q=block_mask.block_q, block_k=block_mask.block_k)
-  out, stat = _attention_forward(q, k, v, analysis, cfg, scale, block_mask, interpret)
+    blocks = dict(block_q=block_mask.block_q, block_k=block_mask.block_k)
+    cfg = dataclasses.replace(cfg, **blocks)
+    bwd_cfg = dataclasses.replace(bwd_cfg, **blocks)
+  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_mask, interpret)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)
+
+
+def _mask_only(analysis: VariantAnalysis) -> VariantAnalysis:
+  """The mask_mod part of an analysis, its captures cut from differentiation:
+  tile lists are integers, and score_mod's arrays need not reach the mask kernel."""
+  mask = analysis.mask_mod
+  consts = tuple(jax.lax.stop_gradient(c) for c in mask.traced.consts)
+  mask = dataclasses.replace(mask, traced=dataclasses.replace(mask.traced, consts=consts))
+  return dataclasses.replace(analysis, score_mod=None, mask_mod=mask)
 
 
 def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
@@ -113,7 +159,7 @@ def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
       raise ValueError("block_mask was given without the mask_mod it was built from")
     return None
   if block_mask is None:
-    return block_mask_lib.build_block_mask(analysis, batch, heads, seq_q, seq_kv,
+    return block_mask_lib.build_block_mask(_mask_only(analysis), batch, heads, seq_q, seq_kv,
                                            cfg.block_q, cfg.block_k, interpret)
   if not isinstance(block_mask, block_mask_lib.BlockMask):
     raise TypeError(f"block_mask must come from pallas_attn.block_mask; got {type(block_mask)}")
@@ -127,23 +173,21 @@ def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
   return block_mask
 
 
-def _attention_forward(q, k, v, analysis, cfg, scale, block_mask, interpret):
+def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_mask, interpret):
+  """Pads to the blocks of both passes, runs the differentiable core, unpads."""
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
-  bq, bk = cfg.block_q, cfg.block_k
-  seq_q_pad, seq_kv_pad = -(-seq_q // bq) * bq, -(-seq_kv // bk) * bk
+  seq_q_pad = _round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
+  seq_kv_pad = _round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
   d_qk_pad, d_v_pad = padded_head_dim(d_qk), padded_head_dim(d_v)
   qp = _pad_to(_pad_to(q, 1, seq_q_pad), 3, d_qk_pad)
   kp = _pad_to(_pad_to(k, 1, seq_kv_pad), 3, d_qk_pad)
   vp = _pad_to(_pad_to(v, 1, seq_kv_pad), 3, d_v_pad)
-  capture_arrays, operands = tiles.capture_operands(analysis, seq_q_pad, seq_kv_pad)
-  plan = parallel_forward.ForwardPlan(
-      analysis=analysis, operands=operands,
-      scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
-      seq_q=seq_q, seq_kv=seq_kv, block_q=bq, block_k=bk,
-      num_kv_blocks=seq_kv_pad // bk, group=heads // k.shape[2],
-      fp32_exact=q.dtype == jnp.float32, block_sparse=block_mask is not None)
-  block_mask_arrays = () if block_mask is None else block_mask.q_major()
-  out, stat = parallel_forward.forward(qp, kp, vp, capture_arrays, block_mask_arrays,
-                                       plan=plan, config=cfg, interpret=interpret)
+  spec = attention_vjp.CoreSpec(
+      analysis=analysis, scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
+      seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
+      config=cfg, bwd_config=bwd_cfg, interpret=interpret)
+  consts = tuple(() if prog is None else tuple(prog.traced.consts)
+                 for prog in (analysis.score_mod, analysis.mask_mod))
+  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_mask, spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

@@ -38,36 +38,58 @@ class ForwardPlan:
   seq_kv: int
   block_q: int
   block_k: int
-  num_kv_blocks: int    # of the padded kv length
+  num_kv_blocks: int    # kv blocks holding keys: ceil(seq_kv / block_k)
   group: int            # query heads per kv head
   fp32_exact: bool
   block_sparse: bool    # kv blocks come from a block mask
+  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
 
   @property
   def online(self) -> OnlineRowNorm:
-    return OnlineRowNorm(self.analysis.rownorm, self.fp32_exact)
+    return OnlineRowNorm(self.analysis.rownorm, self.fp32_exact, self.fast_math)
 
   @property
   def tile(self) -> tiles.TileContext:
-    return tiles.TileContext(self.analysis, self.operands, blocked="q")
+    return tiles.TileContext(self.analysis, self.operands, blocked="q",
+                             fast_math=self.fast_math)
+
+  @property
+  def folds_log2(self) -> bool:
+    """Plain softmax: scores go to the log2 domain with the scale in one multiply."""
+    return self.analysis.score_mod is None and self.online.logits_are_scores()
+
+  def tile_keep(self, tile: tiles.TileContext, masked: bool, b, h, q_idx, kv_idx, cap_refs,
+                start, size):
+    """Which positions of a tile count (None: all): mask_mod and kv bounds,
+    on blocks visited as masked. Captures are read at `pl.ds(start, size)`
+    along the axis the grid does not block."""
+    if not masked:
+      return None
+    keep = tile.mask(b, h, q_idx, kv_idx, cap_refs, start, size)
+    if self.seq_kv % self.block_k:
+      in_bounds = kv_idx < self.seq_kv
+      keep = in_bounds if keep is None else jnp.logical_and(keep, in_bounds)
+    return keep
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
   n_caps = len(plan.operands)
   cap_refs = refs[:n_caps]
   rest = refs[n_caps:]
+  lists = None
   if plan.block_sparse:
-    (partial_num_ref, partial_idx_ref, full_num_ref, full_idx_ref,
-     o_ref, stat_ref) = rest
-  else:
-    o_ref, stat_ref = rest
+    partial_num_ref, partial_idx_ref, full_num_ref, full_idx_ref = rest[:4]
+    rest = rest[4:]
+    lists = (partial_num_ref[0], lambda j: partial_idx_ref[j],
+             full_num_ref[0], lambda j: full_idx_ref[j])
+  o_ref, stat_ref, *row_stats_refs = rest  # row stats: normalized rownorms only
   qi, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   online, tile = plan.online, plan.tile
   q = q_ref[...]
   q_idx = tiles.tile_indices(qi * bq, bq, axis=0)
   # Without score_mod or a logit pre-map, fold scale and log2(e) into one multiply.
-  fold = plan.analysis.score_mod is None and online.logits_are_scores()
+  fold = plan.folds_log2
   qk_scale = plan.scale * LOG2E if fold else plan.scale
 
   def fold_block(kv_block, state, masked: bool):
@@ -77,29 +99,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
     s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * qk_scale
     kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
     s = tile.score(s, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-    keep = None
-    if masked:
-      keep = tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-      if plan.seq_kv % bk:
-        in_bounds = kv_idx < plan.seq_kv
-        keep = in_bounds if keep is None else jnp.logical_and(keep, in_bounds)
-    return online.update(state, s, keep, v, log2_logits=s if fold else None)
+    keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+    return online.update(state, s, keep, v, kv_idx=kv_idx, log2_logits=s if fold else None)
 
-  state = online.init(bq, v_ref.shape[-1])
-  if plan.block_sparse:
-    def listed(idx_ref, masked):
-      return lambda j, st: fold_block(idx_ref[j], st, masked)
-    state = jax.lax.fori_loop(0, full_num_ref[0], listed(full_idx_ref, False), state)
-    state = jax.lax.fori_loop(0, partial_num_ref[0], listed(partial_idx_ref, True), state)
-  else:
-    num_unmasked = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // bk
-    state = jax.lax.fori_loop(
-        0, num_unmasked, functools.partial(fold_block, masked=False), state)
-    state = jax.lax.fori_loop(
-        num_unmasked, plan.num_kv_blocks, functools.partial(fold_block, masked=True), state)
+  num_plain = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // bk
+  state = tiles.visit_blocks(fold_block, online.init(bq, v_ref.shape[-1]), lists=lists,
+                             num_plain=num_plain, num_blocks=plan.num_kv_blocks)
   out, stat = online.finalize(state)
   o_ref[...] = out.astype(o_ref.dtype)
   stat_ref[...] = stat[:, 0]
+  for row_stats_ref in row_stats_refs:
+    for n, value in enumerate(online.row_statistics(state)):
+      row_stats_ref[n, :] = value[:, 0]
 
 
 def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
@@ -108,7 +119,9 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
 
   q `[B, Sq_pad, Hq, Dqk_pad]`, k `[B, Skv_pad, Hkv, Dqk_pad]`, v
   `[B, Skv_pad, Hkv, Dv_pad]`. Returns (out `[B, Sq_pad, Hq, Dv_pad]`,
-  row statistic `[B, Hq, Sq_pad]` float32).
+  row statistic `[B, Hq, Sq_pad]` float32, and for normalized rownorms the
+  `OnlineRowNorm.row_statistics` `[B, Hq, n, Sq_pad]` that the backward
+  needs, else None).
   """
   batch, seq_q_pad, heads, d_qk = q.shape
   seq_kv_pad, d_v = k.shape[1], v.shape[-1]
@@ -130,6 +143,10 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
       pl.BlockSpec((None, bq, None, d_v), lambda i, b, h: (b, i, h, 0)),
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
   ]
+  num_stats = plan.online.num_row_statistics
+  if num_stats:
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, num_stats, seq_q_pad), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, num_stats, bq), lambda i, b, h: (b, h, 0, i)))
   call = backend.pallas_call(
       functools.partial(_forward_kernel, plan=plan),
       out_shape=out_shape,
@@ -141,7 +158,8 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
       interpret=interpret,
       name="pallas_attn_forward",
   )
-  return call(q, k, v, *capture_arrays, *block_mask_arrays)
+  out, stat, *row_stats = call(q, k, v, *capture_arrays, *block_mask_arrays)
+  return out, stat, (row_stats[0] if row_stats else None)
 
 
 def block_mask_specs(arrays):

@@ -5,7 +5,10 @@
   `[B, Skv]` key bias is one row, a `[B, H, Sq, Skv]` bias is a q block by
   the whole kv length that the kernel slices per kv block).
 * `TileContext`: evaluates score_mod and mask_mod on a `[block_q, block_k]`
-  tile with the in-kernel interpreter.
+  tile with the in-kernel interpreter; the backward evaluates score_mod on
+  capture values it passes in, so that it can differentiate with respect to
+  them.
+* `visit_blocks`: the loops over kv (or q) blocks shared by all templates.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_attn.kernels import backend
 from pallas_attn.spec import blockeval
 from pallas_attn.spec.analysis import VariantAnalysis
 
@@ -35,18 +39,24 @@ class CaptureOperand:
   is_bool: bool
 
 
-def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int):
+def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
+                     consts=None):
   """The arrays to pass to a kernel, one per capture use (score_mod's first).
 
   Boolean arrays travel as int32; q- and kv-addressed axes are padded to the
-  padded sequence lengths so that reads of padding stay in bounds.
+  padded sequence lengths so that reads of padding stay in bounds. `consts`
+  (score_mod's, mask_mod's captured arrays) replaces the traced ones, e.g.
+  with the differentiable arguments of a custom_vjp.
   """
+  if consts is None:
+    consts = tuple(() if prog is None else prog.traced.consts
+                   for prog in (analysis.score_mod, analysis.mask_mod))
   arrays, operands = [], []
-  for prog in (analysis.score_mod, analysis.mask_mod):
+  for prog, prog_consts in zip((analysis.score_mod, analysis.mask_mod), consts):
     if prog is None:
       continue
     for use in prog.uses:
-      x = jnp.asarray(prog.traced.consts[use.capture])
+      x = jnp.asarray(prog_consts[use.capture])
       is_bool = x.dtype == jnp.bool_
       if is_bool:
         x = x.astype(jnp.int32)
@@ -60,9 +70,14 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int)
   return arrays, tuple(operands)
 
 
-def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: int):
+def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: int,
+                       head_block: int = 1):
   """BlockSpec for a grid `(i, b, h)` where `i` blocks the `blocked` axis
-  ('q' or 'kv') by `block`; the other sequence axis is passed whole."""
+  ('q' or 'kv') by `block`; the other sequence axis is passed whole.
+
+  With `head_block > 1` the grid's `h` is a kv head and head-addressed axes
+  hold its `head_block` query heads (GQA in the dk/dv pass).
+  """
   block_shape, picks = [], []
   for a, dim in zip(operand.axes, shape):
     if a == blocked:
@@ -71,6 +86,9 @@ def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: i
     elif a in ("q", "kv"):
       block_shape.append(dim)
       picks.append(0)
+    elif a == "h" and head_block > 1:
+      block_shape.append(head_block)
+      picks.append("h")
     else:
       block_shape.append(None)
       picks.append(a)
@@ -82,17 +100,20 @@ def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: i
   return pl.BlockSpec(tuple(block_shape), index_map)
 
 
-def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size):
+def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, head=None):
   """Loads a capture as a tile broadcastable to `[block_q, block_k]`.
 
   The `blocked` axis is already one block; the other sequence axis is read
-  at `pl.ds(start, size)`.
+  at `pl.ds(start, size)`; head axes, where the ref holds several heads, at
+  `head`.
   """
-  seq_axes = [a for a in operand.axes if a in ("q", "kv")]
-  if not seq_axes:
+  kept = [a for a in operand.axes if a in ("q", "kv") or (a == "h" and head is not None)]
+  seq_axes = [a for a in kept if a != "h"]
+  if not kept:
     x = ref[...]
   else:
-    idx = tuple(slice(None) if a == blocked else pl.ds(start, size) for a in seq_axes)
+    idx = tuple(head if a == "h" else slice(None) if a == blocked else pl.ds(start, size)
+                for a in kept)
     x = ref[idx]
     if seq_axes == ["kv", "q"]:
       x = x.T
@@ -109,40 +130,50 @@ class TileContext:
   analysis: VariantAnalysis
   operands: tuple  # CaptureOperand per capture ref
   blocked: str     # which sequence axis the grid blocks ('q' or 'kv')
+  head_block: int = 1  # query heads per program (see capture_block_spec)
+  fast_math: bool = False  # approximate transcendentals (backend.fast_math_overrides)
 
-  def _loads(self, prog, refs, offset, start, size):
-    env = {}
-    for var, use_index in prog.loads:
-      ref = refs[offset + use_index]
-      env[var] = load_capture(ref, self.operands[offset + use_index],
-                              blocked=self.blocked, start=start, size=size)
-    return env
+  def _load_uses(self, prog, refs, offset, h, start, size):
+    """One loaded tile per use of `prog` (refs from `offset` on)."""
+    head = h % self.head_block if self.head_block > 1 else None
+    return tuple(load_capture(refs[offset + n], self.operands[offset + n],
+                              blocked=self.blocked, start=start, size=size, head=head)
+                 for n in range(len(prog.uses)))
 
-  def _offsets(self):
-    n_score = 0 if self.analysis.score_mod is None else len(self.analysis.score_mod.uses)
-    return 0, n_score
+  def _evaluate(self, prog, inputs, captures):
+    jaxpr = prog.traced.jaxpr
+    env = {var: captures[use_index] for var, use_index in prog.loads}
+    env.update(zip(jaxpr.invars, inputs))
+    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, prog.skip,
+                              backend.fast_math_overrides(self.fast_math))
+    return out
 
-  def score(self, s, b, h, q_idx, kv_idx, refs, start, size):
-    """score_mod(s, b, h, q_idx, kv_idx) on the tile (s already scaled)."""
+  def score_captures(self, h, refs, start, size) -> tuple:
+    """score_mod's captured values on the tile, one per use."""
+    prog = self.analysis.score_mod
+    return () if prog is None else self._load_uses(prog, refs, 0, h, start, size)
+
+  def score_with(self, s, b, h, q_idx, kv_idx, captures):
+    """score_mod on the tile with the given captured values (a function of
+    `s` and `captures` that the backward differentiates)."""
     prog = self.analysis.score_mod
     if prog is None:
       return s
-    env = self._loads(prog, refs, self._offsets()[0], start, size)
-    jaxpr = prog.traced.jaxpr
-    env.update(zip(jaxpr.invars, (s, b, h, q_idx, kv_idx)))
-    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, prog.skip)
+    out = self._evaluate(prog, (s, b, h, q_idx, kv_idx), captures)
     return jnp.broadcast_to(out.astype(jnp.float32), s.shape)
+
+  def score(self, s, b, h, q_idx, kv_idx, refs, start, size):
+    """score_mod(s, b, h, q_idx, kv_idx) on the tile (s already scaled)."""
+    return self.score_with(s, b, h, q_idx, kv_idx, self.score_captures(h, refs, start, size))
 
   def mask(self, b, h, q_idx, kv_idx, refs, start, size):
     """mask_mod on the tile (True = keep), or None without a mask_mod."""
     prog = self.analysis.mask_mod
     if prog is None:
       return None
-    env = self._loads(prog, refs, self._offsets()[1], start, size)
-    jaxpr = prog.traced.jaxpr
-    env.update(zip(jaxpr.invars, (b, h, q_idx, kv_idx)))
-    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, prog.skip)
-    return out
+    offset = 0 if self.analysis.score_mod is None else len(self.analysis.score_mod.uses)
+    return self._evaluate(prog, (b, h, q_idx, kv_idx),
+                          self._load_uses(prog, refs, offset, h, start, size))
 
 
 def tile_indices(start, size, axis):
@@ -150,3 +181,33 @@ def tile_indices(start, size, axis):
   shape = (size, 1) if axis == 0 else (1, size)
   return start + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
+
+def visit_blocks(visit, state, *, lists=None, num_plain=0, num_blocks=0):
+  """Folds `visit(block, state, masked)` over the blocks a program sees.
+
+  With a block mask, `lists` is (partial count, partial index, full count,
+  full index), as loaded values and `j -> block` readers: full blocks run
+  without the mask, partial ones with it. Without one, blocks
+  `[0, num_plain)` run unmasked and `[num_plain, num_blocks)` masked.
+  """
+  if lists is not None:
+    partial_num, partial_idx, full_num, full_idx = lists
+    state = _visit_listed(lambda b, st: visit(b, st, False), state, full_num, full_idx)
+    return _visit_listed(lambda b, st: visit(b, st, True), state, partial_num, partial_idx)
+  state = jax.lax.fori_loop(0, num_plain, lambda j, st: visit(j, st, False), state)
+  return jax.lax.fori_loop(num_plain, num_blocks, lambda j, st: visit(j, st, True), state)
+
+
+def _visit_listed(visit, state, count, block_at):
+  """Visits the `count` listed blocks, in order.
+
+  Lists are sorted, so when the last minus the first equals count - 1 the
+  blocks are contiguous (causal, sliding windows, documents): the loop then
+  runs over a plain range, block addresses do not depend on a value loaded
+  inside the loop, and Triton can software-pipeline the K/V loads.
+  """
+  first = block_at(0)
+  last = block_at(jnp.maximum(count - 1, 0))
+  as_range = lambda st: jax.lax.fori_loop(0, count, lambda j, s: visit(first + j, s), st)
+  as_list = lambda st: jax.lax.fori_loop(0, count, lambda j, s: visit(block_at(j), s), st)
+  return jax.lax.cond(last - first == count - 1, as_range, as_list, state)

@@ -43,11 +43,14 @@ def _bind_broadcast(eqn, invals):
   return eqn.primitive.bind(*arrays, **eqn.params)
 
 
-def evaluate(jaxpr, env: dict, outputs, skip=frozenset()):
+def evaluate(jaxpr, env: dict, outputs, skip=frozenset(), overrides=None):
   """Runs the equations of `jaxpr` that `outputs` need on tile values.
 
   `env` maps jaxpr vars to tile values (inputs and loaded captures).
+  `overrides` maps primitive names to replacement implementations taking the
+  (broadcast) operands, e.g. the backend's fast approximate transcendentals.
   """
+  overrides = overrides or {}
   env = dict(env)
 
   def read(v):
@@ -65,6 +68,8 @@ def evaluate(jaxpr, env: dict, outputs, skip=frozenset()):
       out = invals[0]
     elif prim in REDUCTION_PRIMITIVES:
       out = _REDUCERS[prim](invals[0], axis=-1, keepdims=True)
+    elif prim in overrides and jnp.asarray(invals[0]).dtype == jnp.float32:
+      out = overrides[prim](*invals)
     else:
       out = _bind_broadcast(eqn, invals)
     env[eqn.outvars[0]] = out

@@ -1,0 +1,251 @@
+"""The `jax.custom_vjp` of fused attention: forward kernel, saved statistics, backward kernels.
+
+`attention_core` runs on q, k, v padded by api.py and takes the arrays that
+score_mod and mask_mod close over as explicit arguments (the
+`jax.closure_convert` pattern), so their cotangents reach the user's
+arrays, tracers of an outer jit or grad included.
+
+Saved for the backward: q, k, v, the captured arrays, the block mask, the
+output and the row statistics: the lse for softmax, the raw row sums/maxes
+for normalized rownorms, nothing for elementwise ones. `row_terms` turns
+them into the per-row inputs of the backward kernels (see
+vjp/parallel_backward.py); the normalized class differentiates its row
+factor h(stats) here, with `jax.vjp` on `[B, H, Sq]` arrays.
+
+Captured float arrays get gradients only when they are differentiated
+(`symbolic_zeros` tells which); the kernels write partials laid out by their
+grids and `_capture_gradient` sums them over the axes the array is not
+addressed by. Integer and boolean captures, and mask_mod's, get none.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn.kernels import parallel_forward, tiles
+from pallas_attn.kernels.online import LOG2E, run_row_program
+from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.spec.analysis import VariantAnalysis
+from pallas_attn.spec.rownorm import RowNorm
+from pallas_attn.vjp import parallel_backward
+from pallas_attn.vjp.parallel_backward import KEY, ROW, TILE
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreSpec:
+  """Static description of one attention call (inputs padded by the caller)."""
+  analysis: VariantAnalysis
+  scale: float
+  seq_q: int            # true lengths
+  seq_kv: int
+  group: int            # query heads per kv head
+  fp32_exact: bool
+  config: AttentionConfig
+  bwd_config: AttentionConfig
+  interpret: bool
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse: bool) -> dict:
+  return dict(analysis=spec.analysis, operands=operands, scale=spec.scale, seq_q=spec.seq_q,
+              seq_kv=spec.seq_kv, block_q=config.block_q, block_k=config.block_k,
+              num_kv_blocks=_cdiv(spec.seq_kv, config.block_k), group=spec.group,
+              fp32_exact=spec.fp32_exact, block_sparse=block_sparse,
+              fast_math=not (spec.fp32_exact or spec.interpret))
+
+
+def _forward(spec: CoreSpec, q, k, v, consts, block_mask):
+  capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts)
+  plan = parallel_forward.ForwardPlan(
+      **_plan_fields(spec, spec.config, operands, block_mask is not None))
+  lists = () if block_mask is None else block_mask.q_major()
+  return parallel_forward.forward(q, k, v, capture_arrays, lists, plan=plan,
+                                  config=spec.config, interpret=spec.interpret)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q", "k", "v", "consts", "block_mask", "out", "stat", "row_stats"],
+    meta_fields=["differentiated"])
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  consts: tuple          # (score_mod's captured arrays, mask_mod's)
+  block_mask: object     # BlockMask or None
+  out: jax.Array
+  stat: jax.Array
+  row_stats: jax.Array | None
+  differentiated: tuple  # per score_mod capture: whether it needs a gradient
+
+
+def attention_core(q, k, v, consts, block_mask, *, spec: CoreSpec):
+  """Differentiable attention on padded inputs.
+
+  q `[B, Sq_pad, Hq, Dqk_pad]`, k `[B, Skv_pad, Hkv, Dqk_pad]`, v
+  `[B, Skv_pad, Hkv, Dv_pad]`, sequence lengths padded to multiples of the
+  blocks of both passes; consts: (score_mod's captured arrays, mask_mod's);
+  block_mask: a BlockMask with the blocks of both configs, or None.
+  Returns (out `[B, Sq_pad, Hq, Dv_pad]`, row statistic `[B, Hq, Sq_pad]`).
+  """
+  core = jax.custom_vjp(functools.partial(_primal, spec))
+  core.defvjp(functools.partial(_core_fwd, spec), functools.partial(_core_bwd, spec),
+              symbolic_zeros=True)
+  return core(q, k, v, consts, block_mask)
+
+
+def _primal(spec, q, k, v, consts, block_mask):
+  out, stat, _ = _forward(spec, q, k, v, consts, block_mask)
+  return out, stat
+
+
+def _core_fwd(spec, q, k, v, consts, block_mask):
+  score_consts = consts[0]
+  differentiated = tuple(
+      c.perturbed and jnp.issubdtype(jnp.result_type(c.value), jnp.floating)
+      for c in score_consts)
+  q, k, v, consts, block_mask = jax.custom_derivatives.custom_vjp_primal_tree_values(
+      (q, k, v, consts, block_mask))
+  out, stat, row_stats = _forward(spec, q, k, v, consts, block_mask)
+  return (out, stat), _Residuals(q, k, v, consts, block_mask, out, stat, row_stats,
+                                 differentiated)
+
+
+def _is_zero(ct) -> bool:
+  return isinstance(ct, jax.custom_derivatives.SymbolicZero)
+
+
+def _core_bwd(spec, res: _Residuals, cotangents):
+  d_out, d_stat = cotangents
+  d_out = jnp.zeros_like(res.out) if _is_zero(d_out) else d_out
+  d_stat = None if _is_zero(d_stat) else d_stat
+  analysis = spec.analysis
+  capture_arrays, operands = tiles.capture_operands(
+      analysis, res.q.shape[1], res.k.shape[1], res.consts)
+  score_uses = () if analysis.score_mod is None else analysis.score_mod.uses
+  grad_kinds = tuple(parallel_backward.gradient_kind(use.axes)
+                     if res.differentiated[use.capture] else None for use in score_uses)
+  cfg = spec.bwd_config
+  plan = parallel_backward.BackwardPlan(
+      **_plan_fields(spec, cfg, operands, res.block_mask is not None),
+      num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
+  rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
+  dq, dk, dv, partials = parallel_backward.backward(
+      res.q, res.k, res.v, d_out, rows, capture_arrays, res.block_mask, plan=plan, config=cfg,
+      interpret=spec.interpret)
+  score_consts, mask_consts = res.consts
+  grads = [None] * len(score_consts)
+  for use, kind, partial in zip(score_uses, grad_kinds, partials):
+    if kind is None:
+      continue
+    if kind == TILE and res.block_mask is not None:
+      partial = _zero_unvisited(partial, res.block_mask)
+    const = score_consts[use.capture]
+    g = _capture_gradient(partial, kind, use.axes, jnp.shape(const), spec.seq_q, spec.seq_kv)
+    g = g if grads[use.capture] is None else grads[use.capture] + g
+    grads[use.capture] = g
+  score_grads = tuple(None if g is None else g.astype(jnp.result_type(c))
+                      for g, c in zip(grads, score_consts))
+  return dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None
+
+
+def row_terms(rownorm: RowNorm, out, d_out, stat, row_stats, d_stat):
+  """Per-row inputs of the backward kernels, `[B, H, T, Sq_pad]` float32.
+
+  softmax: (lse in log2 units, +inf for empty rows so their weights are 0;
+  delta = rowsum(dO * O) minus the lse cotangent). elementwise: None.
+  normalized: (F, the factor multiplying the row's weights; dr_k per row
+  statistic; the argmax kv position of each max statistic). With O = F * acc,
+  dL/dF = rowsum(dO * acc) = delta / F, and dr = vjp of F(stats) (and of
+  the returned divisor h, for its cotangent).
+  """
+  if rownorm.kind == "elementwise":
+    return None
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = jnp.transpose(delta, (0, 2, 1))
+  if rownorm.kind == "softmax":
+    lse2 = jnp.where(jnp.isneginf(stat), jnp.inf, stat * LOG2E)
+    if d_stat is not None:
+      delta = delta - d_stat
+    return jnp.stack([lse2, delta], axis=2)
+  num_stats = len(rownorm.stats)
+  stats = tuple(row_stats[:, :, n] for n in range(num_stats))
+
+  def factor_and_divisor(*stats):
+    h = jnp.broadcast_to(run_row_program(rownorm.factor, *stats).astype(jnp.float32),
+                         stats[0].shape)
+    f = 1.0 / h if rownorm.combine == "div" else h
+    return jnp.where(jnp.isfinite(f), f, 0.0), h
+
+  (factor, divisor), pullback = jax.vjp(factor_and_divisor, *stats)
+  nonzero = factor != 0.0
+  d_factor = jnp.where(nonzero, delta / jnp.where(nonzero, factor, 1.0), 0.0)
+  d_divisor = jnp.zeros_like(divisor) if d_stat is None else d_stat
+  d_stats = [jnp.where(jnp.isfinite(d), d, 0.0) for d in pullback((d_factor, d_divisor))]
+  argmaxes = [row_stats[:, :, n] for n in range(num_stats, row_stats.shape[2])]
+  return jnp.stack([factor, *d_stats, *argmaxes], axis=2)
+
+
+# The axes of each kind of capture partial (see parallel_backward.backward).
+_PARTIAL_AXES = {ROW: ("b", "h", "q"), TILE: ("b", "h", "q", "kv"), KEY: ("b", "h", "kv")}
+
+
+def _fit(x, axis: int, length: int):
+  """Slices or zero-pads `axis` to `length`."""
+  if x.shape[axis] >= length:
+    return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _capture_gradient(partial, kind: str, axes: tuple, shape: tuple, seq_q: int, seq_kv: int):
+  """A capture's gradient from its kernel partial.
+
+  Drops padded positions, sums the axes the capture is not addressed by,
+  orders the rest as the capture's axes and places them at its fixed
+  indices.
+  """
+  names = _PARTIAL_AXES[kind]
+  true_length = {"q": seq_q, "kv": seq_kv}
+  partial = partial[tuple(slice(0, true_length.get(n)) for n in names)]
+  addressed = [a for a in axes if isinstance(a, str)]
+  g = jnp.sum(partial, axis=tuple(d for d, n in enumerate(names) if n not in addressed))
+  kept = [n for n in names if n in addressed]
+  g = jnp.transpose(g, [kept.index(a) for a in addressed])
+  named_dims = [dim for a, dim in zip(axes, shape) if isinstance(a, str)]
+  for axis, dim in enumerate(named_dims):
+    g = _fit(g, axis, dim)
+  if len(addressed) == len(axes):
+    return g
+  index = tuple(a if isinstance(a, int) else slice(None) for a in axes)
+  return jnp.zeros(shape, g.dtype).at[index].set(g)
+
+
+def _visited_tiles(block_mask):
+  """`[Bm, Hm, nq, nk]`: True for the tiles the q-major lists visit."""
+  partial_num, partial_idx, full_num, full_idx = block_mask.q_major()
+  bm, hm, nq, nk = partial_idx.shape
+  slots = jnp.arange(nk)
+  ib, ih, iq = (x[..., None] for x in jnp.meshgrid(
+      jnp.arange(bm), jnp.arange(hm), jnp.arange(nq), indexing="ij"))
+  visited = jnp.zeros((bm, hm, nq, nk + 1), bool)  # column nk takes unused list slots
+  for num, idx in ((partial_num, partial_idx), (full_num, full_idx)):
+    visited = visited.at[ib, ih, iq, jnp.where(slots < num[..., None], idx, nk)].set(True)
+  return visited[..., :nk]
+
+
+def _zero_unvisited(partial, block_mask):
+  """Zeros the tiles of a TILE partial that the dq kernel skipped (never written)."""
+  batch, heads, seq_q_pad, seq_kv_pad = partial.shape
+  bq, bk = block_mask.block_q, block_mask.block_k
+  tiled = partial.reshape(batch, heads, seq_q_pad // bq, bq, seq_kv_pad // bk, bk)
+  visited = _visited_tiles(block_mask)[:, :, :, None, :, None]
+  return jnp.where(visited, tiled, 0.0).reshape(partial.shape)

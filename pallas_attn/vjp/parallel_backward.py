@@ -1,0 +1,392 @@
+"""The parallel (flash-style) backward templates: dq, and dk/dv.
+
+Both passes recompute each visited tile's scores from q and k, the
+variant's score_mod and mask_mod (as the forward does) and per-row terms
+derived from the forward's row statistics (see `row_terms` in
+vjp/attention_vjp.py), so no `[Sq, Skv]` weights are ever stored. With
+`dP = dO V^T` on a tile, the rownorm classes differ only in the cotangents
+of the tile programs:
+
+* softmax: `P = exp2(u(s) - lse2)` with `u` the log2-domain logit program;
+  `du = P * (dP - delta) * ln 2`, `delta = rowsum(dO * O)` (minus the lse
+  cotangent). Plain softmax skips the programs: `ds = P * (dP - delta)`.
+* elementwise: `W = g(s)`; `dg = dP`.
+* normalized: `W = F * g(s)` with the row factor `F`; `dg = F * dP`, and
+  each row statistic operand `f_k` gets the row's `dr_k` (for a max
+  statistic only at the row's argmax, saved by the forward).
+
+The chain rule through the rownorm programs and score_mod is `jax.vjp` of
+the traced programs on the tile, which also gives the cotangents of
+captured float arrays. `ds` is the gradient with respect to the scaled score
+`q.k * scale`, so `dq = scale * ds K`, `dk = scale * ds^T Q`, `dv = W^T dO`.
+
+* dq: one program per (q block, batch, query head) walks its kv blocks
+  (the q-major tile lists). It also accumulates the gradients of captures
+  addressed by q alone or by no sequence axis (a partial per row), and
+  writes the tiles of captures addressed by both q and kv.
+* dk/dv: one program per (kv block, batch, kv head) loops over the query
+  heads of its GQA group and their q blocks (the kv-major tile lists), so
+  dk and dv come out summed over the group. It accumulates the gradients of
+  captures addressed by kv alone (a partial per key and query head).
+
+Capture gradients are partials laid out by the grid: the wrapper sums the
+axes a capture is not addressed by. Nothing is accumulated atomically, so
+the backward is deterministic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import backend, tiles
+from pallas_attn.kernels.online import LN2, LOG2E, run_tile_program
+from pallas_attn.kernels.parallel_forward import ForwardPlan, block_mask_specs
+from pallas_attn.schedule.config import AttentionConfig, clamp_block
+
+# Where each captured float array's gradient is accumulated, by addressing.
+ROW, TILE, KEY = "row", "tile", "key"
+
+
+def gradient_kind(axes) -> str:
+  """'tile' (addressed by q and kv, dq pass), 'key' (kv only, dk/dv pass)
+  or 'row' (q only or neither, dq pass)."""
+  if "kv" in axes:
+    return TILE if "q" in axes else KEY
+  return ROW
+
+
+def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
+  """Default backward tiles for Hopper-class GPUs (Triton), untuned.
+
+  Both passes use one tile shape: the dq pass runs block_q query rows per
+  program over kv steps of block_k; the dk/dv pass block_k keys per program
+  over q steps of block_q.
+  """
+  d = max(d_qk, d_v)
+  if d <= 64:
+    cfg = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+  elif d <= 128:
+    cfg = AttentionConfig(block_q=64, block_k=128, num_warps=8, num_stages=2)
+  else:
+    cfg = AttentionConfig(block_q=32, block_k=64, num_warps=4, num_stages=2)
+  return dataclasses.replace(cfg, block_q=clamp_block(cfg.block_q, seq_q),
+                             block_k=clamp_block(cfg.block_k, seq_kv))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan(ForwardPlan):
+  """Static parameters of the backward kernels (blocks are the backward's)."""
+  num_q_blocks: int     # q blocks holding queries: ceil(seq_q / block_q)
+  grad_kinds: tuple     # per score_mod capture use: ROW | TILE | KEY | None
+
+  @property
+  def num_row_terms(self) -> int:
+    rownorm = self.analysis.rownorm
+    if rownorm.kind == "softmax":
+      return 2  # lse2, delta
+    if rownorm.kind == "elementwise":
+      return 0
+    num_max = sum(st.reducer == "max" for st in rownorm.stats)
+    return 1 + len(rownorm.stats) + num_max  # factor, dr_k..., argmaxes...
+
+  def uses_of(self, kind: str) -> tuple:
+    return tuple(n for n, k in enumerate(self.grad_kinds) if k == kind)
+
+  @property
+  def kv_tile(self) -> tiles.TileContext:
+    """Tiles seen from the dk/dv grid: kv blocked, the group's heads per program."""
+    return tiles.TileContext(self.analysis, self.operands, blocked="kv", head_block=self.group,
+                             fast_math=self.fast_math)
+
+
+def _where(keep, x):
+  return x if keep is None else jnp.where(keep, x, 0.0)
+
+
+def _tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, keep, position,
+                    cap_refs, window, grad_uses):
+  """Gradients on one `[block_q, block_k]` tile.
+
+  s: the scaled score (log2 domain when `plan.folds_log2`); dp: `dO V^T`;
+  rows: the row terms as `[block_q, 1]` columns; position: (b, h, q_idx,
+  kv_idx); window: where captures are read along the unblocked axis.
+  Returns (W, the weights that multiply V; ds, the gradient with respect
+  to the scaled score; the cotangent tiles of the `grad_uses` captures).
+  All are zero where `keep` is False.
+  """
+  if plan.folds_log2:
+    lse2, delta = rows
+    p = _where(keep, jnp.exp2(s - lse2))
+    return p, p * (dp - delta), ()
+  b, h, q_idx, kv_idx = position
+  rownorm = plan.analysis.rownorm
+  online = plan.online
+  captures = tile.score_captures(h, cap_refs, *window)
+
+  def programs(s, *diff_captures):
+    values = list(captures)
+    for use, x in zip(grad_uses, diff_captures):
+      values[use] = x
+    score = tile.score_with(s, b, h, q_idx, kv_idx, tuple(values))
+    return (online.weights(score),
+            *(run_tile_program(st.operand, score, plan.fast_math) for st in rownorm.stats))
+
+  # Captures enter at full tile shape so that each position's cotangent can
+  # be masked before it is summed.
+  diff = tuple(jnp.broadcast_to(captures[u], s.shape) for u in grad_uses)
+  outs, pullback = jax.vjp(programs, s, *diff)
+  if rownorm.kind == "softmax":
+    lse2, delta = rows
+    weights = _where(keep, jnp.exp2(outs[0] - lse2))
+    cotangents = (weights * (dp - delta) * LN2,)
+  elif rownorm.kind == "elementwise":
+    weights = _where(keep, outs[0])
+    cotangents = (_where(keep, dp),)
+  else:
+    factor, *rest = rows
+    num_stats = len(rownorm.stats)
+    d_stats, argmaxes = rest[:num_stats], iter(rest[num_stats:])
+    weights = factor * _where(keep, outs[0])
+    cotangents = [_where(keep, factor * dp)]
+    for st, d in zip(rownorm.stats, d_stats):
+      at = keep
+      if st.reducer == "max":
+        at_max = kv_idx.astype(jnp.float32) == next(argmaxes)
+        at = at_max if keep is None else jnp.logical_and(keep, at_max)
+      cotangents.append(_where(at, jnp.broadcast_to(d, s.shape)))
+    cotangents = tuple(cotangents)
+  ds, *d_captures = pullback(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs)))
+  return (weights, _where(keep, ds.astype(jnp.float32)),
+          tuple(_where(keep, d.astype(jnp.float32)) for d in d_captures))
+
+
+def _split_inputs(plan: BackwardPlan, refs):
+  """(row-term ref or None, capture refs, block mask refs, remaining refs)."""
+  rows_ref = None
+  if plan.num_row_terms:
+    rows_ref, refs = refs[0], refs[1:]
+  n_caps = len(plan.operands)
+  cap_refs, refs = refs[:n_caps], refs[n_caps:]
+  n_lists = 4 if plan.block_sparse else 0
+  return rows_ref, cap_refs, refs[:n_lists], refs[n_lists:]
+
+
+def _score_scale(plan: BackwardPlan) -> float:
+  return plan.scale * LOG2E if plan.folds_log2 else plan.scale
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
+  rows_ref, cap_refs, list_refs, out_refs = _split_inputs(plan, refs)
+  row_uses, tile_uses = plan.uses_of(ROW), plan.uses_of(TILE)
+  dq_ref, *grad_refs = out_refs
+  row_grad_refs, tile_grad_refs = grad_refs[:len(row_uses)], grad_refs[len(row_uses):]
+  qi, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = plan.block_q, plan.block_k
+  tile = plan.tile
+  q, do = q_ref[...], do_ref[...]
+  rows = tuple(rows_ref[t, :][:, None] for t in range(plan.num_row_terms))
+  q_idx = tiles.tile_indices(qi * bq, bq, axis=0)
+  score_scale = _score_scale(plan)
+
+  def visit(kv_block, carry, masked: bool):
+    dq, row_grads = carry
+    kv_start = pl.multiple_of(kv_block * bk, bk)
+    k = k_ref[pl.ds(kv_start, bk), :]
+    v = v_ref[pl.ds(kv_start, bk), :]
+    s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * score_scale
+    dp = backend.dot(do, v, trans_b=True, fp32_exact=plan.fp32_exact)
+    kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
+    keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+    _, ds, d_captures = _tile_gradients(
+        plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs, (kv_start, bk),
+        row_uses + tile_uses)
+    dq = dq + backend.dot(ds.astype(k.dtype), k, fp32_exact=plan.fp32_exact)
+    row_grads = tuple(acc + jnp.sum(d, axis=1) for acc, d in zip(row_grads, d_captures))
+    for ref, d in zip(tile_grad_refs, d_captures[len(row_uses):]):
+      ref[:, pl.ds(kv_start, bk)] = d
+    return dq, row_grads
+
+  lists = None
+  if plan.block_sparse:
+    partial_num, partial_idx, full_num, full_idx = list_refs
+    lists = (partial_num[0], lambda j: partial_idx[j], full_num[0], lambda j: full_idx[j])
+  init = (jnp.zeros(q.shape, jnp.float32),
+          tuple(jnp.zeros((bq,), jnp.float32) for _ in row_uses))
+  num_plain = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // bk
+  dq, row_grads = tiles.visit_blocks(visit, init, lists=lists, num_plain=num_plain,
+                                     num_blocks=plan.num_kv_blocks)
+  dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+  for ref, grad in zip(row_grad_refs, row_grads):
+    ref[...] = grad
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
+  rows_ref, cap_refs, list_refs, out_refs = _split_inputs(plan, refs)
+  key_uses = plan.uses_of(KEY)
+  dk_ref, dv_ref, *key_grad_refs = out_refs
+  ki, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  bq, bk = plan.block_q, plan.block_k
+  tile = plan.kv_tile
+  k, v = k_ref[...], v_ref[...]
+  kv_start = ki * bk
+  kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
+  score_scale = _score_scale(plan)
+  # Padded query rows have dO = 0; outside plain softmax their scores could
+  # still make non-finite derivatives, so they are masked.
+  mask_rows = not plan.folds_log2 and plan.seq_q % bq != 0
+  per_head_lists = plan.block_sparse and list_refs[0].shape[0] > 1
+
+  def head(g, carry):
+    h = kv_head * plan.group + g
+
+    def visit(q_block, carry, masked: bool):
+      dk, dv, key_grads = carry
+      q_start = pl.multiple_of(q_block * bq, bq)
+      q = q_ref[pl.ds(q_start, bq), g, :]
+      do = do_ref[pl.ds(q_start, bq), g, :]
+      rows = tuple(rows_ref[g, t, pl.ds(q_start, bq)][:, None]
+                   for t in range(plan.num_row_terms))
+      s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * score_scale
+      dp = backend.dot(do, v, trans_b=True, fp32_exact=plan.fp32_exact)
+      q_idx = tiles.tile_indices(q_start, bq, axis=0)
+      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, q_start, bq)
+      if mask_rows:
+        valid = q_idx < plan.seq_q
+        keep = valid if keep is None else jnp.logical_and(keep, valid)
+      weights, ds, d_captures = _tile_gradients(
+          plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs, (q_start, bq),
+          key_uses)
+      dv = dv + backend.dot(weights.astype(do.dtype).T, do, fp32_exact=plan.fp32_exact)
+      dk = dk + backend.dot(ds.astype(q.dtype).T, q, fp32_exact=plan.fp32_exact)
+      key_grads = tuple(acc + jnp.sum(d, axis=0) for acc, d in zip(key_grads, d_captures))
+      return dk, dv, key_grads
+
+    lists = None
+    if plan.block_sparse:
+      partial_num, partial_idx, full_num, full_idx = list_refs
+      m = g if per_head_lists else 0
+      lists = (partial_num[m, 0], lambda j: partial_idx[m, j],
+               full_num[m, 0], lambda j: full_idx[m, j])
+    init = (*carry, tuple(jnp.zeros((bk,), jnp.float32) for _ in key_uses))
+    num_plain = 0 if plan.analysis.mask_mod is not None else plan.num_q_blocks
+    dk, dv, key_grads = tiles.visit_blocks(visit, init, lists=lists, num_plain=num_plain,
+                                           num_blocks=plan.num_q_blocks)
+    for ref, grad in zip(key_grad_refs, key_grads):
+      ref[g, :] = grad
+    return dk, dv
+
+  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  if plan.group == 1:
+    dk, dv = head(0, init)
+  else:
+    dk, dv = jax.lax.fori_loop(0, plan.group, head, init)
+  dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _kv_major_specs(arrays, group: int):
+  """BlockSpecs of the kv-major tile lists for the dk/dv grid (i, b, kv head).
+
+  A per-head block mask gives each program the lists of its group's query
+  heads (indexed by the head within the group in the kernel); a broadcast
+  one (head extent 1) gives the single list.
+  """
+  specs = []
+  for x in arrays:
+    pick_b = (lambda b: b) if x.shape[0] > 1 else (lambda b: 0)
+    per_head = x.shape[1] > 1
+    heads = group if per_head else 1
+    pick_h = (lambda h: h) if per_head else (lambda h: 0)
+    if x.ndim == 3:
+      specs.append(pl.BlockSpec(
+          (None, heads, 1), lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i)))
+    else:
+      specs.append(pl.BlockSpec(
+          (None, heads, None, x.shape[-1]),
+          lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i, 0)))
+  return specs
+
+
+def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: BackwardPlan,
+             config: AttentionConfig, interpret: bool):
+  """Runs the dq and dk/dv kernels on padded inputs.
+
+  q, k, v as for the forward; d_out `[B, Sq_pad, Hq, Dv_pad]`; rows: the
+  row terms `[B, Hq, T, Sq_pad]` float32 (None when T = 0); block_mask: a
+  BlockMask with the plan's blocks, or None. Returns (dq, dk, dv, capture
+  partials): the partials, in `plan.grad_kinds` order of their uses, are
+  `[B, Hq, Sq_pad]` (ROW), `[B, Hq, Sq_pad, Skv_pad]` (TILE, only visited
+  tiles written) and `[B, Hq, Skv_pad]` (KEY) float32.
+  """
+  batch, seq_q_pad, heads, d_qk = q.shape
+  seq_kv_pad, kv_heads, d_v = k.shape[1], k.shape[2], v.shape[-1]
+  bq, bk, group = plan.block_q, plan.block_k, plan.group
+  grad_shape = {
+      ROW: (batch, heads, seq_q_pad),
+      TILE: (batch, heads, seq_q_pad, seq_kv_pad),
+      KEY: (batch, heads, seq_kv_pad),
+  }
+  row_inputs = () if rows is None else (rows,)
+  launch = functools.partial(backend.pallas_call, num_warps=config.num_warps,
+                             num_stages=config.num_stages, interpret=interpret)
+
+  dq_in_specs = [
+      pl.BlockSpec((None, bq, None, d_qk), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, seq_kv_pad, None, d_qk), lambda i, b, h: (b, 0, h // group, 0)),
+      pl.BlockSpec((None, seq_kv_pad, None, d_v), lambda i, b, h: (b, 0, h // group, 0)),
+      pl.BlockSpec((None, bq, None, d_v), lambda i, b, h: (b, i, h, 0)),
+  ]
+  if rows is not None:
+    dq_in_specs.append(pl.BlockSpec((None, None, rows.shape[2], bq), lambda i, b, h: (b, h, 0, i)))
+  dq_in_specs += [tiles.capture_block_spec(op, x.shape, blocked="q", block=bq)
+                  for op, x in zip(plan.operands, capture_arrays)]
+  q_lists = () if block_mask is None else block_mask.q_major()
+  dq_in_specs += block_mask_specs(q_lists)
+  dq_uses = plan.uses_of(ROW) + plan.uses_of(TILE)
+  dq_out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  dq_out_specs = [pl.BlockSpec((None, bq, None, d_qk), lambda i, b, h: (b, i, h, 0))]
+  for use in dq_uses:
+    kind = plan.grad_kinds[use]
+    dq_out_shape.append(jax.ShapeDtypeStruct(grad_shape[kind], jnp.float32))
+    dq_out_specs.append(
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)) if kind == ROW else
+        pl.BlockSpec((None, None, bq, seq_kv_pad), lambda i, b, h: (b, h, i, 0)))
+  dq, *dq_grads = launch(
+      functools.partial(_dq_kernel, plan=plan), out_shape=dq_out_shape,
+      grid=(seq_q_pad // bq, batch, heads), in_specs=dq_in_specs, out_specs=dq_out_specs,
+      name="pallas_attn_backward_dq",
+  )(q, k, v, d_out, *row_inputs, *capture_arrays, *q_lists)
+
+  dkv_in_specs = [
+      pl.BlockSpec((None, seq_q_pad, group, d_qk), lambda i, b, h: (b, 0, h, 0)),
+      pl.BlockSpec((None, bk, None, d_qk), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, bk, None, d_v), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, seq_q_pad, group, d_v), lambda i, b, h: (b, 0, h, 0)),
+  ]
+  if rows is not None:
+    dkv_in_specs.append(pl.BlockSpec((None, group, rows.shape[2], seq_q_pad),
+                                     lambda i, b, h: (b, h, 0, 0)))
+  dkv_in_specs += [tiles.capture_block_spec(op, x.shape, blocked="kv", block=bk, head_block=group)
+                   for op, x in zip(plan.operands, capture_arrays)]
+  kv_lists = () if block_mask is None else block_mask.kv_major()
+  dkv_in_specs += _kv_major_specs(kv_lists, group)
+  key_uses = plan.uses_of(KEY)
+  dkv_out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  dkv_out_shape += [jax.ShapeDtypeStruct(grad_shape[KEY], jnp.float32) for _ in key_uses]
+  dkv_out_specs = [
+      pl.BlockSpec((None, bk, None, d_qk), lambda i, b, h: (b, i, h, 0)),
+      pl.BlockSpec((None, bk, None, d_v), lambda i, b, h: (b, i, h, 0)),
+  ]
+  dkv_out_specs += [pl.BlockSpec((None, group, bk), lambda i, b, h: (b, h, i)) for _ in key_uses]
+  dk, dv, *key_grads = launch(
+      functools.partial(_dkv_kernel, plan=plan), out_shape=dkv_out_shape,
+      grid=(seq_kv_pad // bk, batch, kv_heads), in_specs=dkv_in_specs, out_specs=dkv_out_specs,
+      name="pallas_attn_backward_dkv",
+  )(q, k, v, d_out, *row_inputs, *capture_arrays, *kv_lists)
+
+  by_use = dict(zip(dq_uses, dq_grads)) | dict(zip(key_uses, key_grads))
+  return dq, dk, dv, tuple(by_use.get(n) for n in range(len(plan.grad_kinds)))
