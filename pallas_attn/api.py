@@ -159,8 +159,10 @@ def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
       raise ValueError("block_mask was given without the mask_mod it was built from")
     return None
   if block_mask is None:
-    return block_mask_lib.build_block_mask(_mask_only(analysis), batch, heads, seq_q, seq_kv,
-                                           cfg.block_q, cfg.block_k, interpret)
+    build = (block_mask_lib.static_block_mask if not analysis.mask_mod.traced.consts
+             else block_mask_lib.build_block_mask)
+    return build(_mask_only(analysis), batch, heads, seq_q, seq_kv, cfg.block_q, cfg.block_k,
+                 interpret)
   if not isinstance(block_mask, block_mask_lib.BlockMask):
     raise TypeError(f"block_mask must come from pallas_attn.block_mask; got {type(block_mask)}")
   if (block_mask.seq_q, block_mask.seq_kv) != (seq_q, seq_kv):

@@ -132,6 +132,29 @@ def build_block_mask(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, blo
   return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
 
 
+_STATIC_MASKS: dict = {}
+_STATIC_MASKS_MAX = 64
+
+
+def static_block_mask(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
+                      interpret) -> BlockMask:
+  """The block mask of a mask_mod that captures no arrays: a constant.
+
+  Built once per (mask, shape, blocks), eagerly even inside a trace, so a
+  jitted call embeds it instead of rebuilding it on every step.
+  """
+  key = (analysis.fingerprint(), batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
+  if key not in _STATIC_MASKS:
+    if len(_STATIC_MASKS) >= _STATIC_MASKS_MAX:
+      _STATIC_MASKS.pop(next(iter(_STATIC_MASKS)))
+    # Lowered and compiled on its own, a compiled executable runs now even
+    # when called inside another trace.
+    build = jax.jit(lambda: build_block_mask(analysis, batch, heads, seq_q, seq_kv, block_q,
+                                             block_k, interpret)).lower().compile()
+    _STATIC_MASKS[key] = build()
+  return _STATIC_MASKS[key]
+
+
 def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=None,
                interpret=None) -> BlockMask:
   """Builds the tile lists of `mask_mod` once, for reuse across calls and layers.

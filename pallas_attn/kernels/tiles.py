@@ -202,12 +202,14 @@ def _visit_listed(visit, state, count, block_at):
   """Visits the `count` listed blocks, in order.
 
   Lists are sorted, so when the last minus the first equals count - 1 the
-  blocks are contiguous (causal, sliding windows, documents): the loop then
-  runs over a plain range, block addresses do not depend on a value loaded
-  inside the loop, and Triton can software-pipeline the K/V loads.
+  blocks are contiguous (causal, sliding windows, documents): they are then
+  visited by a plain range loop whose block addresses do not depend on a
+  value loaded inside the loop, so Triton can software-pipeline the K/V
+  loads. Otherwise the list loop runs. One of the two loops has no trips
+  (two loops, not a `cond`, which Triton's lowering rejects here).
   """
   first = block_at(0)
   last = block_at(jnp.maximum(count - 1, 0))
-  as_range = lambda st: jax.lax.fori_loop(0, count, lambda j, s: visit(first + j, s), st)
-  as_list = lambda st: jax.lax.fori_loop(0, count, lambda j, s: visit(block_at(j), s), st)
-  return jax.lax.cond(last - first == count - 1, as_range, as_list, state)
+  num_ranged = jnp.where(last - first == count - 1, count, 0)
+  state = jax.lax.fori_loop(0, num_ranged, lambda j, st: visit(first + j, st), state)
+  return jax.lax.fori_loop(num_ranged, count, lambda j, st: visit(block_at(j), st), state)
