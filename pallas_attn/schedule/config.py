@@ -34,11 +34,17 @@ def clamp_block(block: int, length: int, minimum: int = 16) -> int:
 
 
 def heuristic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
-  """A reasonable default without tuning (Hopper-class GPUs, Triton)."""
-  d = max(d_qk, d_v)
-  if d <= 64:
+  """A reasonable default without tuning (Hopper-class GPUs, Triton).
+
+  Head dims count as padded to powers of two (>= 16). Up to 256 + 128
+  (e.g. Dqk 192, Dv 128) the 128x64 tiles with 3 stages still fit shared
+  memory (measured on an H200: 1.04x vanilla's rate, against 0.81x with the
+  small tiles); only larger heads fall back to 64x32.
+  """
+  d_qk, d_v = (max(16, next_power_of_2(d)) for d in (d_qk, d_v))
+  if max(d_qk, d_v) <= 64:
     cfg = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
-  elif d <= 128:
+  elif d_qk + d_v <= 384:
     cfg = AttentionConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
   else:
     cfg = AttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)

@@ -146,14 +146,15 @@ def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
   block_v = schedule.block_v
   num_blocks_v = d_v // block_v
   num_chunks = seq_len // schedule.chunk_size
-  in_specs = [sequence_spec(seq_len, d_feature)] * 2 + [
-      sequence_spec(seq_len, block_v)]
+  in_specs = [sequence_spec(seq_len, d_feature, column_blocked=False)] * 2 + [
+      sequence_spec(seq_len, block_v, column_blocked=True)]
   inputs = [q, k, v]
   if log_decay_cum is not None:
     in_specs.append(decay_spec(log_decay_cum))
     inputs.append(log_decay_cum)
   in_specs += [chunk_states_spec(num_chunks, d_feature, block_v),
-               sequence_spec(seq_len, block_v), state_spec(d_feature, block_v)]
+               sequence_spec(seq_len, block_v, column_blocked=True),
+               state_spec(d_feature, block_v)]
   inputs += [chunk_states, d_out.astype(q.dtype), d_final]
   partial_spec = pl.BlockSpec((None, None, seq_len, None, d_feature),
                               lambda b, h, j: (j, b, 0, h, 0))
@@ -163,7 +164,7 @@ def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
                jax.ShapeDtypeStruct(v.shape, v.dtype),
                jax.ShapeDtypeStruct((batch, heads, d_feature, d_v),
                                     jnp.float32)]
-  out_specs = [partial_spec, partial_spec, sequence_spec(seq_len, block_v),
+  out_specs = [partial_spec, partial_spec, sequence_spec(seq_len, block_v, column_blocked=True),
                state_spec(d_feature, block_v)]
   kernel = functools.partial(
       _backward_kernel, schedule=schedule, num_chunks=num_chunks,

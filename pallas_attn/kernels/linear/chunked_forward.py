@@ -216,10 +216,16 @@ def _forward_kernel(*refs, schedule: ChunkedSchedule, num_chunks: int,
                                  state_ref[...].astype(jnp.float32))
 
 
-def sequence_spec(seq_len: int, width: int):
-  """Block of one (batch, head) and one column block of a [B, S, H, D] array."""
-  return pl.BlockSpec((None, seq_len, None, width),
-                      lambda b, h, j: (b, 0, h, j))
+def sequence_spec(seq_len: int, width: int, *, column_blocked: bool):
+  """Block of one (batch, head) of a [B, S, H, D] array: the program's Dv
+  column block (`column_blocked`, for v and o) or all columns (q, k).
+
+  Interpret mode clamps an out-of-range block index, Triton does not: q and
+  k must not follow the Dv block index.
+  """
+  if column_blocked:
+    return pl.BlockSpec((None, seq_len, None, width), lambda b, h, j: (b, 0, h, j))
+  return pl.BlockSpec((None, seq_len, None, width), lambda b, h, j: (b, 0, h, 0))
 
 
 def state_spec(d_feature: int, block_v: int):
@@ -260,8 +266,8 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
   block_v = schedule.block_v
   num_chunks = seq_len // schedule.chunk_size
   has_decay = log_decay_cum is not None
-  in_specs = [sequence_spec(seq_len, d_feature)] * 2 + [
-      sequence_spec(seq_len, block_v)]
+  in_specs = [sequence_spec(seq_len, d_feature, column_blocked=False)] * 2 + [
+      sequence_spec(seq_len, block_v, column_blocked=True)]
   inputs = [q, k, v]
   if has_decay:
     in_specs.append(decay_spec(log_decay_cum))
@@ -272,7 +278,8 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
                                     jnp.dtype(schedule.out_dtype)),
                jax.ShapeDtypeStruct((batch, heads, d_feature, d_v),
                                     jnp.float32)]
-  out_specs = [sequence_spec(seq_len, block_v), state_spec(d_feature, block_v)]
+  out_specs = [sequence_spec(seq_len, block_v, column_blocked=True),
+               state_spec(d_feature, block_v)]
   if store_states:
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, heads, num_chunks, d_feature, d_v), q.dtype))
