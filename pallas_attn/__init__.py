@@ -1,6 +1,7 @@
 """pallas_attn: attention variants written as plain JAX, compiled to fused Pallas kernels."""
 from pallas_attn.api import attention
 from pallas_attn.kernels.block_mask import BlockMask, block_mask
+from pallas_attn.linear import linear_attention, linear_attention_step
 from pallas_attn.reference import attention_reference
 from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
 from pallas_attn.spec.analysis import analyze_variant
@@ -8,7 +9,8 @@ from pallas_attn.spec.trace import VariantError
 from pallas_attn import variants
 
 __all__ = [
-    "attention", "attention_reference", "BlockMask", "block_mask", "AttentionConfig", "LinearAttentionConfig",
-    "analyze_variant", "VariantError", "variants",
+    "attention", "attention_reference", "BlockMask", "block_mask", "linear_attention",
+    "linear_attention_step", "AttentionConfig", "LinearAttentionConfig", "analyze_variant",
+    "VariantError", "variants",
 ]
 __version__ = "0.1.0"
