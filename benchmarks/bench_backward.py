@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_attn as pa
-from bench_forward import CAUSAL, environment, inputs, time_fn
+from bench_forward import CAUSAL, environment, fmt_tflops, inputs, time_fn
 from pallas_attn.schedule.timing import attention_flops, mask_density
 
 WINDOW = 256
@@ -170,10 +170,6 @@ def main(argv=None):
   return 0
 
 
-def _fmt(cell):
-  return "n/a" if cell is None else f"{cell['tflops']:.0f}"
-
-
 def print_table(results):
   env = results["environment"]
   print(f"\n{env['device']}  {env['date']}  jax {env['jax']}  triton {env['triton']}")
@@ -182,14 +178,14 @@ def print_table(results):
   for r in results["softmax"]:
     ratio = (r["pallas_attn"]["tflops"] / r["pallas_ref"]["tflops"]
              if r["pallas_attn"] and r["pallas_ref"] else float("nan"))
-    print(f"{r['d']:>4} {str(r['causal']):>6} {r['seq']:>6} {_fmt(r['pallas_attn']):>6} "
-          f"{_fmt(r['cudnn']):>6} {_fmt(r['pallas_ref']):>6} {ratio:>10.2f}")
+    print(f"{r['d']:>4} {str(r['causal']):>6} {r['seq']:>6} {fmt_tflops(r['pallas_attn']):>6} "
+          f"{fmt_tflops(r['cudnn']):>6} {fmt_tflops(r['pallas_ref']):>6} {ratio:>10.2f}")
   print("variants forward+backward TFLOP/s (B4 H16 S4096 d128)")
   for r in results["variants"]:
     ours, xla = r["pallas_attn"], r["xla"]
     ratio = ours["tflops"] / xla["tflops"] if ours and xla else float("nan")
     vs = f"  x vanilla {r['vs_vanilla']:.2f}" if "vs_vanilla" in r else ""
-    print(f"  {r['variant']:>14} ours {_fmt(ours):>5}  xla {_fmt(xla):>5}  x{ratio:.1f}{vs}")
+    print(f"  {r['variant']:>14} ours {fmt_tflops(ours):>5}  xla {fmt_tflops(xla):>5}  x{ratio:.1f}{vs}")
   for r in results["memory"]:
     print(f"  memory S={r['seq']}: ours {r.get('pallas_attn_bytes')} B, "
           f"cudnn {r.get('cudnn_bytes')} B, xla {r.get('xla_bytes')} B")

@@ -141,7 +141,8 @@ def main(argv=None):
   return 0
 
 
-def _fmt(cell):
+def fmt_tflops(cell):
+  """A measurement cell as whole TFLOP/s, or n/a."""
   return "n/a" if cell is None else f"{cell['tflops']:.0f}"
 
 
@@ -153,13 +154,13 @@ def print_table(results):
   for r in results["softmax"]:
     ratio = (r["pallas_attn"]["tflops"] / r["pallas_ref"]["tflops"]
              if r["pallas_attn"] and r["pallas_ref"] else float("nan"))
-    print(f"{r['d']:>4} {str(r['causal']):>6} {r['seq']:>6} {_fmt(r['pallas_attn']):>6} "
-          f"{_fmt(r['cudnn']):>6} {_fmt(r['pallas_ref']):>6} {_fmt(r['xla']):>6} {ratio:>10.2f}")
+    print(f"{r['d']:>4} {str(r['causal']):>6} {r['seq']:>6} {fmt_tflops(r['pallas_attn']):>6} "
+          f"{fmt_tflops(r['cudnn']):>6} {fmt_tflops(r['pallas_ref']):>6} {fmt_tflops(r['xla']):>6} {ratio:>10.2f}")
   print("variants forward TFLOP/s (B4 H16 S4096)")
   for r in results["variants"]:
     ours, xla = r["pallas_attn"], r["xla"]
     ratio = ours["tflops"] / xla["tflops"] if ours and xla else float("nan")
-    print(f"  {r['variant']:>14} ours {_fmt(ours):>5}  xla {_fmt(xla):>5}  x{ratio:.1f}")
+    print(f"  {r['variant']:>14} ours {fmt_tflops(ours):>5}  xla {fmt_tflops(xla):>5}  x{ratio:.1f}")
   for r in results["memory"]:
     print(f"  memory S={r['seq']}: ours {r.get('pallas_attn_bytes')} B, xla {r.get('xla_bytes')} B")
   for e in results["errors"]:
