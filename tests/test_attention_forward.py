@@ -67,6 +67,7 @@ def _captures(batch, heads, seq_q, seq_kv):
       transposed=random((seq_kv, seq_q), seed=11),
       temperature=jnp.float32(1.3),
       broadcast_batch=random((1, seq_kv), seed=12),
+      rows=random((3, seq_kv), seed=13),
   )
 
 
@@ -79,6 +80,7 @@ SCORE_MODS = {
     "query_bias": lambda c: lambda s, b, h, qi, ki: s * c["query_bias"][qi],
     "kv_q_layout": lambda c: lambda s, b, h, qi, ki: s + c["transposed"][ki, qi],
     "size1_batch_axis": lambda c: lambda s, b, h, qi, ki: s + c["broadcast_batch"][b, ki],
+    "constant_index": lambda c: lambda s, b, h, qi, ki: s + c["rows"][1, ki] - c["rows"][-1, ki],
     "scalar_capture": lambda c: lambda s, b, h, qi, ki: s / c["temperature"],
     "index_only": lambda c: lambda s, b, h, qi, ki: s + jnp.where(qi % 3 == 0, 0.5, -0.25),
 }

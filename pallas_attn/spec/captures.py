@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, source_line
@@ -62,6 +63,20 @@ class _View:
   open_axes: list  # axes of the array that the current value still has
 
 
+_FOLDABLE = frozenset(["lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "mul", "select_n",
+                       "convert_element_type"])
+
+
+def _fold_scalar_constant(eqn, values):
+  """Evaluates a scalar integer/boolean primitive whose operands are all
+  constants (e.g. `select_n(1 < 0, 1, 1 + n)` for a constant index), else None."""
+  if (eqn.primitive.name not in _FOLDABLE or any(v is None for v in values)
+      or eqn.outvars[0].aval.shape != () or np.dtype(eqn.outvars[0].aval.dtype).kind not in "biu"):
+    return None
+  with jax.ensure_compile_time_eval():
+    return np.asarray(eqn.primitive.bind(*[np.asarray(v) for v in values], **eqn.params)).item()
+
+
 def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
   """Resolves capture reads and dependencies of an elementwise callable."""
   jaxpr = traced.jaxpr
@@ -93,6 +108,13 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
   def tag(v):
     return None if is_literal(v) else tags.get(v)
 
+  def const_value(v):
+    """The value of a literal or folded scalar constant, else None."""
+    if is_literal(v):
+      return v.val
+    t = tags.get(v)
+    return t[1] if isinstance(t, tuple) and t[0] == "const" else None
+
   for n, eqn in enumerate(jaxpr.eqns):
     prim = eqn.primitive.name
     in_tags = [tag(v) for v in eqn.invars]
@@ -115,8 +137,8 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
               f"{traced.name} slices a captured array of shape {view.shape} "
               f"with a window of {size} at {source_line(eqn)}; index every "
               "axis with a single b, h, q_idx, kv_idx or a constant.")
-        if is_literal(start):
-          view.addr[axis] = int(start.val)
+        if const_value(start) is not None:
+          view.addr[axis] = int(const_value(start))
         elif start_tag is not None and start_tag[0] == "idx":
           view.addr[axis] = start_tag[1]
         else:
@@ -147,8 +169,12 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
           f"{traced.name} uses a captured array of shape {views[0].shape} "
           f"in '{prim}' at {source_line(eqn)} before indexing all its axes; "
           "read captured arrays elementwise, e.g. bias[b, h, q_idx, kv_idx].")
-    # Negative-index normalization that jnp indexing inserts.
-    if prim == "lt" and in_tags[0] and in_tags[0][0] == "idx" and is_literal(eqn.invars[1]):
+    # Negative-index normalization that jnp indexing inserts: on an index
+    # variable it yields that index; on constants it folds to a constant.
+    folded = _fold_scalar_constant(eqn, [const_value(v) for v in eqn.invars])
+    if folded is not None:
+      tags[out] = ("const", folded)
+    elif prim == "lt" and in_tags[0] and in_tags[0][0] == "idx" and is_literal(eqn.invars[1]):
       tags[out] = ("neg", in_tags[0][1])
     elif prim == "add" and in_tags[0] and in_tags[0][0] == "idx" and is_literal(eqn.invars[1]):
       tags[out] = ("wrap", in_tags[0][1])
