@@ -24,9 +24,7 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import sys
-import time
 import traceback
 
 # Leave room for PyTorch (flash-linear-attention) next to JAX.
@@ -40,6 +38,7 @@ from pallas_attn.kernels.linear.reference import (  # noqa: E402
     chunked_linear_attention_jnp, linear_attention_reference)
 from pallas_attn.linear import linear_attention  # noqa: E402
 from pallas_attn.schedule.config import LinearAttentionConfig  # noqa: E402
+from pallas_attn.schedule.timing import median_time_ms  # noqa: E402
 
 SHAPES = {
     # name: (heads, d_k, d_v, decay kind, scale)
@@ -52,26 +51,7 @@ SWEEP = [LinearAttentionConfig(c, bv, w, 2)
          for c, bv, w in ((64, 64, 8), (32, 64, 8), (64, 64, 4), (32, 32, 8),
                           (64, 128, 8), (32, 128, 8))]
 
-try:  # do_bench times with CUDA events through PyTorch
-  import torch  # noqa: F401
-  from triton.testing import do_bench
-except ImportError:
-  do_bench = None
-
-
-def _time_ms(run, warmup: int = 3, reps: int = 20) -> float:
-  """Median milliseconds of `run()` (which must block until done)."""
-  run()
-  if do_bench is not None:
-    return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
-  for _ in range(warmup):
-    run()
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    run()
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
+REPS = 20  # timed runs per measurement (after warm-up)
 
 
 def _inputs(seq_len: int, heads: int, d_k: int, d_v: int, kind: str):
@@ -118,11 +98,9 @@ def _xla_chunked(scale):
 def _time_jax(attention, args, with_backward: bool = True) -> dict:
   forward, forward_backward = _jax_fns(attention)
   q, k, v, g, d_out = args
-  out = {"fwd_ms": _time_ms(
-      lambda: jax.block_until_ready(forward(q, k, v, g)))}
+  out = {"fwd_ms": median_time_ms(lambda: forward(q, k, v, g), reps=REPS)}
   if with_backward:
-    out["fwd_bwd_ms"] = _time_ms(
-        lambda: jax.block_until_ready(forward_backward(q, k, v, g, d_out)))
+    out["fwd_bwd_ms"] = median_time_ms(lambda: forward_backward(q, k, v, g, d_out), reps=REPS)
   return out
 
 
@@ -180,8 +158,8 @@ def _time_fla(fla, args, kind: str, scale) -> dict:
     return run
 
   with torch.no_grad():
-    fwd = _time_ms(blocking(forward))
-  out = {"fwd_ms": fwd, "fwd_bwd_ms": _time_ms(blocking(forward_backward))}
+    fwd = median_time_ms(blocking(forward), reps=REPS)
+  out = {"fwd_ms": fwd, "fwd_bwd_ms": median_time_ms(blocking(forward_backward), reps=REPS)}
   del q, k, v, g, d_out, leaves
   torch.cuda.empty_cache()
   return out
@@ -242,8 +220,7 @@ def main(argv=None) -> int:
       "backend": jax.default_backend(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "versions": _versions(),
-      "timer": "triton.testing.do_bench (median)" if do_bench else
-               "median of block_until_ready wall times",
+      "timer": "pallas_attn.schedule.timing.median_time_ms (triton do_bench median on GPU)",
       "dtype": "bfloat16 inputs (references compute in float32)",
       "batch": BATCH,
       "fla": "available" if fla else fla_missing,

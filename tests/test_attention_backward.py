@@ -80,19 +80,6 @@ def test_rownorm_classes(name, masked, interpret):
       rownorm=rownorm, mask_mod=CAUSAL if masked else None))
 
 
-def _captures(batch, heads, seq_q, seq_kv):
-  return dict(
-      slopes=jnp.linspace(0.1, 1.0, heads),
-      bias4=random((batch, heads, seq_q, seq_kv), seed=7),
-      bias3=random((heads, seq_q, seq_kv), seed=8),
-      key_bias=random((batch, seq_kv), seed=9),
-      query_bias=random((seq_q,), seed=10),
-      transposed=random((seq_kv, seq_q), seed=11),
-      temperature=jnp.float32(1.3),
-      shared_keys=random((1, seq_kv), seed=12),
-  )
-
-
 SCORE_MODS = {
     "softcap": ((), lambda c: lambda s, b, h, qi, ki: 5.0 * jnp.tanh(s / 5.0)),
     "alibi": (("slopes",), lambda c: lambda s, b, h, qi, ki:
@@ -101,10 +88,10 @@ SCORE_MODS = {
     "bias_hqk": (("bias3",), lambda c: lambda s, b, h, qi, ki: s + c["bias3"][h, qi, ki]),
     "key_bias": (("key_bias",), lambda c: lambda s, b, h, qi, ki: s + c["key_bias"][b, ki]),
     # Query-scaled, transposed [Skv, Sq], scalar and size-1 (fixed index) captures at once.
-    "mixed_layouts": (("query_bias", "transposed", "temperature", "shared_keys"),
+    "mixed_layouts": (("query_bias", "transposed", "temperature", "broadcast_batch"),
                       lambda c: lambda s, b, h, qi, ki:
                       s * c["query_bias"][qi] / c["temperature"] + c["transposed"][ki, qi]
-                      + jnp.tanh(c["shared_keys"][b, ki])),
+                      + jnp.tanh(c["broadcast_batch"][b, ki])),
 }
 
 
@@ -120,7 +107,7 @@ SCORE_MOD_CASES = ([(name, False) for name in SCORE_MODS]
 def test_score_mod_and_capture_gradients(name, masked, interpret):
   q, k, v = qkv()
   used, make_score_mod = SCORE_MODS[name]
-  captures = {n: x for n, x in _captures(2, HEADS, 37, 45).items() if n in used}
+  captures = {n: x for n, x in forward_tests._captures(2, HEADS, 37, 45).items() if n in used}
   check_gradients(q, k, v, captures, interpret=interpret, make_kwargs=lambda c: dict(
       score_mod=make_score_mod(c), mask_mod=CAUSAL if masked else None))
 
