@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_attn as pa
-from pallas_attn.schedule.timing import attention_flops, median_time_ms
+from pallas_attn.schedule.timing import amortized_time_ms, attention_flops
 
 CAUSAL = lambda b, h, qi, ki: qi >= ki
 
@@ -44,11 +44,10 @@ def inputs(batch, seq, heads, d_qk, d_v, dtype=jnp.bfloat16, kv_heads=None):
 
 
 def time_fn(fn, *args):
-  """Median ms of a jitted call, or None (with the reason) if it fails."""
+  """Median ms of one call inside a jitted program (dispatch amortized, see
+  `amortized_time_ms`), or None (with the reason) if it fails."""
   try:
-    jitted = jax.jit(fn)
-    jax.block_until_ready(jitted(*args))
-    return median_time_ms(lambda: jitted(*args), warmup=3, reps=10), None
+    return amortized_time_ms(fn, *args), None
   except Exception as e:  # a peer that cannot run this shape is reported n/a
     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 

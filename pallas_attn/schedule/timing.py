@@ -1,6 +1,7 @@
 """Timing of device work and FLOP counts of attention."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -58,6 +59,30 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10) -> float:
     sync_fn()
     times.append((time.perf_counter() - start) * 1e3)
   return statistics.median(times)
+
+
+def amortized_time_ms(fn: Callable, *args, warmup: int = 3, reps: int = 10,
+                      target_ms: float = 4.0, max_copies: int = 8) -> float:
+  """Milliseconds of one `fn(*args)` inside a jitted program, host dispatch amortized.
+
+  Timing single synchronized calls adds JAX's dispatch and synchronization
+  latency (tens of microseconds) to each call, a large share of a
+  sub-millisecond kernel, and it is paid once per step in a jitted training
+  loop, not per attention call. So short calls run as `copies` independent
+  calls on copies of the inputs in one jitted program (distinct buffers: XLA
+  cannot merge them), sized so that the program takes about `target_ms`, and
+  the median program time is divided by `copies`.
+  """
+  single = jax.jit(fn)
+  jax.block_until_ready(single(*args))
+  estimate = median_time_ms(lambda: single(*args), warmup=1, reps=3)
+  copies = max(1, min(max_copies, math.ceil(target_ms / max(estimate, 1e-3))))
+  if copies == 1:
+    return median_time_ms(lambda: single(*args), warmup=warmup, reps=reps)
+  arg_sets = [args] + [jax.tree.map(lambda a: a.copy(), args) for _ in range(copies - 1)]
+  batched = jax.jit(lambda sets: [fn(*a) for a in sets])
+  jax.block_until_ready(batched(arg_sets))
+  return median_time_ms(lambda: batched(arg_sets), warmup=warmup, reps=reps) / copies
 
 
 def mask_density(mask_mod: Callable | None, seq_q: int, seq_kv: int, *,
