@@ -83,7 +83,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
     lists = (partial_num_ref[0], lambda j: partial_idx_ref[j],
              full_num_ref[0], lambda j: full_idx_ref[j])
   o_ref, stat_ref, *row_stats_refs = rest  # row stats: normalized rownorms only
-  qi, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  qi = tiles.program_block(pl.num_programs(0))
+  b, h = pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   online, tile = plan.online, plan.tile
   q = q_ref[...]
@@ -147,12 +148,13 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
   if num_stats:
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, num_stats, seq_q_pad), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, num_stats, bq), lambda i, b, h: (b, h, 0, i)))
+  num_q_blocks = seq_q_pad // bq
   call = backend.pallas_call(
       functools.partial(_forward_kernel, plan=plan),
       out_shape=out_shape,
-      grid=(seq_q_pad // bq, batch, heads),
-      in_specs=in_specs,
-      out_specs=out_specs,
+      grid=(num_q_blocks, batch, heads),
+      in_specs=tiles.heaviest_first(in_specs, num_q_blocks),
+      out_specs=tiles.heaviest_first(out_specs, num_q_blocks),
       num_warps=config.num_warps,
       num_stages=config.num_stages,
       interpret=interpret,

@@ -182,6 +182,22 @@ def tile_indices(start, size, axis):
   return start + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def program_block(num_blocks):
+  """The block of grid axis 0 that this program owns: last to first.
+
+  Under causal-like masks the last query blocks see the most keys; launching
+  them first (longest job first) leaves short programs for the final wave.
+  `heaviest_first` gives the BlockSpecs the same order.
+  """
+  return num_blocks - 1 - pl.program_id(0)
+
+
+def heaviest_first(specs, num_blocks: int):
+  """BlockSpecs for a grid whose axis 0 runs blocks last to first (see `program_block`)."""
+  return [pl.BlockSpec(s.block_shape, lambda i, *rest, f=s.index_map: f(num_blocks - 1 - i, *rest))
+          for s in specs]
+
+
 def visit_blocks(visit, state, *, lists=None, num_plain=0, num_blocks=0):
   """Folds `visit(block, state, masked)` over the blocks a program sees.
 
