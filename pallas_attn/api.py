@@ -109,10 +109,10 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       mask_mod, reused across calls.
     config: an `AttentionConfig`, "auto" or None (tuned cache entry if any,
       else a heuristic).
-    bwd_config: the backward kernels' `AttentionConfig`, or None for a
-      heuristic. With a mask_mod, both passes use the block mask's block_q
-      and block_k (its tile lists serve both); only num_warps and
-      num_stages of bwd_config apply then.
+    bwd_config: the backward kernels' `AttentionConfig`, "auto" or None
+      (tuned cache entry if any, else a heuristic). With a mask_mod, the
+      forward uses the block mask's block_q and block_k; the backward keeps
+      its own, with tile lists re-tiled from the same mask.
     interpret: None runs Pallas interpret mode on CPU and Triton on GPU.
     return_lse: also return the row statistic `[B, Hq, Sq]` float32:
       log-sum-exp for softmax, the divisor h(stats) for normalized
@@ -130,12 +130,12 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   cfg = resolve_config(config, analysis, q, k, v)
   bwd_cfg = resolve_bwd_config(bwd_config, analysis, q, k, v)
   interpret = backend.resolve_interpret(interpret)
-  block_mask = _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret)
-  if block_mask is not None:
-    blocks = dict(block_q=block_mask.block_q, block_k=block_mask.block_k)
-    cfg = dataclasses.replace(cfg, **blocks)
-    bwd_cfg = dataclasses.replace(bwd_cfg, **blocks)
-  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_mask, interpret)
+  block_masks = _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret)
+  if block_masks is not None:
+    fwd_mask, bwd_mask = block_masks
+    cfg = dataclasses.replace(cfg, block_q=fwd_mask.block_q, block_k=fwd_mask.block_k)
+    bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
+  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, interpret)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)
@@ -150,19 +150,43 @@ def _mask_only(analysis: VariantAnalysis) -> VariantAnalysis:
   return dataclasses.replace(analysis, score_mod=None, mask_mod=mask)
 
 
-def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
-  """The caller's block mask (checked), or one built for this call's mask_mod."""
+def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
+  """(forward, backward) block masks, or None without a mask_mod.
+
+  The forward's is the caller's block mask (checked) or one built at cfg's
+  blocks; the backward's has bwd_cfg's blocks. Masks that capture no arrays
+  are constants built once per blocks; others are classified once at the
+  finer of the two tilings and coarsened (exactly) to each.
+  """
   batch, seq_q, heads, _ = q.shape
   seq_kv = k.shape[1]
   if analysis.mask_mod is None:
     if block_mask is not None:
       raise ValueError("block_mask was given without the mask_mod it was built from")
     return None
-  if block_mask is None:
-    build = (block_mask_lib.static_block_mask if not analysis.mask_mod.traced.consts
-             else block_mask_lib.build_block_mask)
-    return build(_mask_only(analysis), batch, heads, seq_q, seq_kv, cfg.block_q, cfg.block_k,
-                 interpret)
+  bwd_blocks = (bwd_cfg.block_q, bwd_cfg.block_k)
+  if block_mask is not None:
+    _check_block_mask(block_mask, batch, heads, seq_q, seq_kv)
+    return block_mask, _retiled(block_mask, *bwd_blocks)
+  mask = _mask_only(analysis)
+  if not mask.mask_mod.traced.consts:
+    return tuple(block_mask_lib.static_block_mask(mask, batch, heads, seq_q, seq_kv, bq, bk,
+                                                  interpret)
+                 for bq, bk in ((cfg.block_q, cfg.block_k), bwd_blocks))
+  finest = block_mask_lib.build_block_mask(
+      mask, batch, heads, seq_q, seq_kv, min(cfg.block_q, bwd_cfg.block_q),
+      min(cfg.block_k, bwd_cfg.block_k), interpret)
+  return _retiled(finest, cfg.block_q, cfg.block_k), _retiled(finest, *bwd_blocks)
+
+
+def _retiled(block_mask, block_q: int, block_k: int):
+  """`block_mask` on other tiles, or itself where the sizes do not divide."""
+  divides = all(max(a, b) % min(a, b) == 0 for a, b in
+                ((block_mask.block_q, block_q), (block_mask.block_k, block_k)))
+  return block_mask.with_blocks(block_q, block_k) if divides else block_mask
+
+
+def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):
   if not isinstance(block_mask, block_mask_lib.BlockMask):
     raise TypeError(f"block_mask must come from pallas_attn.block_mask; got {type(block_mask)}")
   if (block_mask.seq_q, block_mask.seq_kv) != (seq_q, seq_kv):
@@ -172,10 +196,9 @@ def _resolve_block_mask(block_mask, analysis, cfg, q, k, interpret):
   if bm_b not in (1, batch) or bm_h not in (1, heads):
     raise ValueError(f"block_mask has batch/head extents ({bm_b}, {bm_h}); expected 1 or "
                      f"({batch}, {heads})")
-  return block_mask
 
 
-def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_mask, interpret):
+def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, interpret):
   """Pads to the blocks of both passes, runs the differentiable core, unpads."""
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
@@ -191,5 +214,5 @@ def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_mask, interpret):
       config=cfg, bwd_config=bwd_cfg, interpret=interpret)
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
                  for prog in (analysis.score_mod, analysis.mask_mod))
-  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_mask, spec=spec)
+  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

@@ -178,6 +178,20 @@ def test_backward_blocks_differ_from_forward(bwd_blocks, interpret):
 
 
 @pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("bwd_blocks", [(16, 16), (64, 32)], ids=["finer", "coarser"])
+@pytest.mark.parametrize("captures_array", [False, True], ids=["static", "captured"])
+def test_masked_backward_retiles_the_block_mask(bwd_blocks, captures_array, interpret):
+  """With a mask, the backward keeps its own tiles (lists re-tiled from the same mask)."""
+  q, k, v = qkv(seq_q=45, seq_kv=37, d_qk=16, d_v=16)
+  offsets = jnp.array([0, 5], jnp.int32)
+  mask_mod = ((lambda b, h, qi, ki: qi + offsets[b] >= ki) if captures_array
+              else (lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 20)))
+  check_gradients(q, k, v, interpret=interpret, config=pa.AttentionConfig(32, 32, 4, 1),
+                  bwd_config=pa.AttentionConfig(*bwd_blocks, 4, 1),
+                  make_kwargs=lambda c: dict(mask_mod=mask_mod))
+
+
+@pytest.mark.parametrize("interpret", MODES)
 def test_row_statistic_cotangents(interpret):
   """Gradients through the returned lse (softmax) and divisor (normalized)."""
   q, k, v = qkv()

@@ -59,6 +59,27 @@ def test_tile_lists():
   assert float(causal.density()) == pytest.approx(10 / 16)
 
 
+@pytest.mark.parametrize("name", ["causal", "document", "prefix_lm", "all_masked_rows"])
+def test_retiled_block_mask(name):
+  """Coarser tiles are exact; finer tiles inherit the parent's class (a superset)."""
+  mask_mod = MASKS[name]
+  mask = np.asarray(dense_mask(mask_mod, 2, 4, 45, 45))
+  fine = pa.block_mask(mask_mod, 2, 4, 45, 45, block_q=16, block_kv=16, interpret=True)
+  coarse = fine.with_blocks(32, 64)
+  expected = dense_classes(mask, 45, 45, 32, 64)
+  np.testing.assert_array_equal(coarse.classes, expected[:coarse.classes.shape[0],
+                                                         :coarse.classes.shape[1]])
+  refined = pa.block_mask(mask_mod, 2, 4, 45, 45, block_q=32, block_kv=32,
+                          interpret=True).with_blocks(16, 16)
+  exact = dense_classes(mask, 45, 45, 16, 16)[:refined.classes.shape[0], :refined.classes.shape[1]]
+  got = np.asarray(refined.classes)
+  assert got.shape == exact.shape
+  assert np.all((got == bm_lib.FULL) <= (exact == bm_lib.FULL))
+  assert np.all((got == bm_lib.EMPTY) <= (exact == bm_lib.EMPTY))
+  with pytest.raises(ValueError, match="re-tile"):
+    fine.with_blocks(24, 16)
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_block_mask_reuse_jit_and_vmap(interpret):
   q, k, v = qkv(seq_q=45, seq_kv=45)

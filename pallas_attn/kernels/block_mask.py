@@ -28,13 +28,15 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["kv_partial_num", "kv_partial_idx", "kv_full_num", "kv_full_idx",
-                 "q_partial_num", "q_partial_idx", "q_full_num", "q_full_idx"],
+                 "q_partial_num", "q_partial_idx", "q_full_num", "q_full_idx", "classes"],
     meta_fields=["block_q", "block_k", "seq_q", "seq_kv"])
 @dataclasses.dataclass(frozen=True)
 class BlockMask:
   """Tile lists of a mask. `kv_*` are q-major (`[Bm, Hm, nq]` counts and
   `[Bm, Hm, nq, nk]` kv block indices); `q_*` are kv-major, for the dk/dv
-  pass. Bm, Hm are 1 where the mask does not depend on b, h."""
+  pass. Bm, Hm are 1 where the mask does not depend on b, h. `classes`
+  (`[Bm, Hm, nq, nk]` int8, EMPTY / PARTIAL / FULL) is what the lists were
+  made from; `with_blocks` re-tiles it."""
   kv_partial_num: jax.Array
   kv_partial_idx: jax.Array
   kv_full_num: jax.Array
@@ -43,6 +45,7 @@ class BlockMask:
   q_partial_idx: jax.Array
   q_full_num: jax.Array
   q_full_idx: jax.Array
+  classes: jax.Array
   block_q: int
   block_k: int
   seq_q: int
@@ -55,6 +58,21 @@ class BlockMask:
   def kv_major(self) -> tuple:
     """(partial num, partial idx, full num, full idx) per kv block."""
     return (self.q_partial_num, self.q_partial_idx, self.q_full_num, self.q_full_idx)
+
+  def with_blocks(self, block_q: int, block_k: int) -> "BlockMask":
+    """The same mask on other tiles (powers of two), e.g. the backward's.
+
+    Larger tiles are exact (full if every sub-tile is full, empty if every
+    one is empty, else partial); smaller tiles inherit their parent's class,
+    so a partial parent's empty sub-tiles are visited with the mask applied
+    (correct, slightly more work than a rebuild).
+    """
+    if (block_q, block_k) == (self.block_q, self.block_k):
+      return self
+    classes = _retile(self.classes, 2, self.block_q, block_q, -(-self.seq_q // block_q))
+    classes = _retile(classes, 3, self.block_k, block_k, -(-self.seq_kv // block_k))
+    return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=self.seq_q,
+                        seq_kv=self.seq_kv)
 
   def density(self) -> float:
     """Fraction of tiles visited (partial or full)."""
@@ -110,6 +128,25 @@ def classify_tiles(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block
   return call(*arrays)[..., :nk]
 
 
+def _retile(classes, axis: int, block: int, new_block: int, count: int):
+  """Tile classes along `axis` for tiles of `new_block` (`count` of them)."""
+  if max(block, new_block) % min(block, new_block):
+    raise ValueError(f"cannot re-tile a block mask from {block} to {new_block}: "
+                     "block sizes must divide each other")
+  if new_block <= block:
+    return jnp.repeat(classes, block // new_block, axis=axis)[
+        (slice(None),) * axis + (slice(0, count),)]
+  ratio = new_block // block
+  widths = [(0, 0)] * classes.ndim
+  widths[axis] = (0, count * ratio - classes.shape[axis])  # beyond the sequence: empty
+  grouped = jnp.pad(classes, widths, constant_values=EMPTY)
+  shape = classes.shape[:axis] + (count, ratio) + classes.shape[axis + 1:]
+  grouped = grouped.reshape(shape)
+  full = jnp.all(grouped == FULL, axis=axis + 1)
+  empty = jnp.all(grouped == EMPTY, axis=axis + 1)
+  return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL)).astype(classes.dtype)
+
+
 def _tile_lists(classes):
   """Per row of `classes`: (partial count, partial indices first, full count, full indices)."""
   n = classes.shape[-1]
@@ -123,7 +160,8 @@ def _tile_lists(classes):
 
 def from_classes(classes, *, block_q, block_k, seq_q, seq_kv) -> BlockMask:
   return BlockMask(*_tile_lists(classes), *_tile_lists(jnp.swapaxes(classes, -1, -2)),
-                   block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
+                   classes.astype(jnp.int8), block_q=block_q, block_k=block_k, seq_q=seq_q,
+                   seq_kv=seq_kv)
 
 
 def build_block_mask(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,

@@ -79,43 +79,49 @@ class _Residuals:
   k: jax.Array
   v: jax.Array
   consts: tuple          # (score_mod's captured arrays, mask_mod's)
-  block_mask: object     # BlockMask or None
+  block_mask: object     # the backward's BlockMask or None
   out: jax.Array
   stat: jax.Array
   row_stats: jax.Array | None
   differentiated: tuple  # per score_mod capture: whether it needs a gradient
 
 
-def attention_core(q, k, v, consts, block_mask, *, spec: CoreSpec):
+def attention_core(q, k, v, consts, block_masks, *, spec: CoreSpec):
   """Differentiable attention on padded inputs.
 
   q `[B, Sq_pad, Hq, Dqk_pad]`, k `[B, Skv_pad, Hkv, Dqk_pad]`, v
   `[B, Skv_pad, Hkv, Dv_pad]`, sequence lengths padded to multiples of the
   blocks of both passes; consts: (score_mod's captured arrays, mask_mod's);
-  block_mask: a BlockMask with the blocks of both configs, or None.
+  block_masks: (forward, backward) BlockMasks with the blocks of each
+  pass's config, or None.
   Returns (out `[B, Sq_pad, Hq, Dv_pad]`, row statistic `[B, Hq, Sq_pad]`).
   """
   core = jax.custom_vjp(functools.partial(_primal, spec))
   core.defvjp(functools.partial(_core_fwd, spec), functools.partial(_core_bwd, spec),
               symbolic_zeros=True)
-  return core(q, k, v, consts, block_mask)
+  return core(q, k, v, consts, block_masks)
 
 
-def _primal(spec, q, k, v, consts, block_mask):
-  out, stat, _ = _forward(spec, q, k, v, consts, block_mask)
+def _primal(spec, q, k, v, consts, block_masks):
+  out, stat, _ = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0))
   return out, stat
 
 
-def _core_fwd(spec, q, k, v, consts, block_mask):
+def _pass_mask(block_masks, n: int):
+  """The forward's (n = 0) or the backward's (n = 1) block mask, or None."""
+  return None if block_masks is None else block_masks[n]
+
+
+def _core_fwd(spec, q, k, v, consts, block_masks):
   score_consts = consts[0]
   differentiated = tuple(
       c.perturbed and jnp.issubdtype(jnp.result_type(c.value), jnp.floating)
       for c in score_consts)
-  q, k, v, consts, block_mask = jax.custom_derivatives.custom_vjp_primal_tree_values(
-      (q, k, v, consts, block_mask))
-  out, stat, row_stats = _forward(spec, q, k, v, consts, block_mask)
-  return (out, stat), _Residuals(q, k, v, consts, block_mask, out, stat, row_stats,
-                                 differentiated)
+  q, k, v, consts, block_masks = jax.custom_derivatives.custom_vjp_primal_tree_values(
+      (q, k, v, consts, block_masks))
+  out, stat, row_stats = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0))
+  return (out, stat), _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), out, stat,
+                                 row_stats, differentiated)
 
 
 def _is_zero(ct) -> bool:
