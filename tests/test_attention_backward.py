@@ -186,9 +186,13 @@ def test_masked_backward_retiles_the_block_mask(bwd_blocks, captures_array, inte
   offsets = jnp.array([0, 5], jnp.int32)
   mask_mod = ((lambda b, h, qi, ki: qi + offsets[b] >= ki) if captures_array
               else (lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 20)))
-  check_gradients(q, k, v, interpret=interpret, config=pa.AttentionConfig(32, 32, 4, 1),
+  captures = {"bias": random((HEADS, 45, 37), seed=7)}  # a tile-addressed gradient
+  check_gradients(q, k, v, captures, interpret=interpret,
+                  config=pa.AttentionConfig(32, 32, 4, 1),
                   bwd_config=pa.AttentionConfig(*bwd_blocks, 4, 1),
-                  make_kwargs=lambda c: dict(mask_mod=mask_mod))
+                  make_kwargs=lambda c: dict(
+                      mask_mod=mask_mod,
+                      score_mod=lambda s, b, h, qi, ki: s + c["bias"][h, qi, ki]))
 
 
 @pytest.mark.parametrize("interpret", MODES)

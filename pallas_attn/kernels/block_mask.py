@@ -51,13 +51,16 @@ class BlockMask:
   seq_q: int
   seq_kv: int
 
-  def q_major(self) -> tuple:
-    """(partial num, partial idx, full num, full idx) per q block."""
-    return (self.kv_partial_num, self.kv_partial_idx, self.kv_full_num, self.kv_full_idx)
+  def q_major(self, num_blocks: int | None = None) -> tuple:
+    """(partial num, partial idx, full num, full idx) per q block; with
+    `num_blocks`, for a grid of that many q blocks (see `_grid_rows`)."""
+    return _grid_rows((self.kv_partial_num, self.kv_partial_idx, self.kv_full_num,
+                       self.kv_full_idx), num_blocks)
 
-  def kv_major(self) -> tuple:
-    """(partial num, partial idx, full num, full idx) per kv block."""
-    return (self.q_partial_num, self.q_partial_idx, self.q_full_num, self.q_full_idx)
+  def kv_major(self, num_blocks: int | None = None) -> tuple:
+    """(partial num, partial idx, full num, full idx) per kv block, as `q_major`."""
+    return _grid_rows((self.q_partial_num, self.q_partial_idx, self.q_full_num,
+                       self.q_full_idx), num_blocks)
 
   def with_blocks(self, block_q: int, block_k: int) -> "BlockMask":
     """The same mask on other tiles (powers of two), e.g. the backward's.
@@ -126,6 +129,18 @@ def classify_tiles(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block
       out_specs=pl.BlockSpec((None, None, 1, nk_pad), lambda i, b, h: (b, h, i, 0)),
       num_warps=4, num_stages=1, interpret=interpret, name="pallas_attn_block_mask")
   return call(*arrays)[..., :nk]
+
+
+def _grid_rows(lists, num_blocks: int | None):
+  """Lists with one row per block of a grid that may be longer than the
+  mask (sequences padded to the tiles of both passes): the extra blocks hold
+  only padding and visit nothing. Triton does not clamp block indices, so
+  every grid block needs a row."""
+  rows = lists[0].shape[2]
+  if num_blocks is None or num_blocks == rows:
+    return lists
+  return tuple(jnp.pad(x, [(0, 0), (0, 0), (0, num_blocks - rows)] + [(0, 0)] * (x.ndim - 3))
+               for x in lists)
 
 
 def _retile(classes, axis: int, block: int, new_block: int, count: int):

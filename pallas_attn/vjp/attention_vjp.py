@@ -64,7 +64,7 @@ def _forward(spec: CoreSpec, q, k, v, consts, block_mask):
   capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts)
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None))
-  lists = () if block_mask is None else block_mask.q_major()
+  lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
   return parallel_forward.forward(q, k, v, capture_arrays, lists, plan=plan,
                                   config=spec.config, interpret=spec.interpret)
 
@@ -235,11 +235,11 @@ def _capture_gradient(partial, kind: str, axes: tuple, shape: tuple, seq_q: int,
   return jnp.zeros(shape, g.dtype).at[index].set(g)
 
 
-def _visited_tiles(block_mask):
-  """`[Bm, Hm, nq, nk]`: True for the tiles the q-major lists visit."""
-  partial_num, partial_idx, full_num, full_idx = block_mask.q_major()
-  bm, hm, nq, nk = partial_idx.shape
-  slots = jnp.arange(nk)
+def _visited_tiles(block_mask, nq: int, nk: int):
+  """`[Bm, Hm, nq, nk]` for a grid of nq x nk tiles: True where the q-major lists visit."""
+  partial_num, partial_idx, full_num, full_idx = block_mask.q_major(nq)
+  bm, hm = partial_idx.shape[:2]
+  slots = jnp.arange(partial_idx.shape[-1])
   ib, ih, iq = (x[..., None] for x in jnp.meshgrid(
       jnp.arange(bm), jnp.arange(hm), jnp.arange(nq), indexing="ij"))
   visited = jnp.zeros((bm, hm, nq, nk + 1), bool)  # column nk takes unused list slots
@@ -253,5 +253,5 @@ def _zero_unvisited(partial, block_mask):
   batch, heads, seq_q_pad, seq_kv_pad = partial.shape
   bq, bk = block_mask.block_q, block_mask.block_k
   tiled = partial.reshape(batch, heads, seq_q_pad // bq, bq, seq_kv_pad // bk, bk)
-  visited = _visited_tiles(block_mask)[:, :, :, None, :, None]
+  visited = _visited_tiles(block_mask, seq_q_pad // bq, seq_kv_pad // bk)[:, :, :, None, :, None]
   return jnp.where(visited, tiled, 0.0).reshape(partial.shape)

@@ -347,7 +347,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
     dq_in_specs.append(pl.BlockSpec((None, None, rows.shape[2], bq), lambda i, b, h: (b, h, 0, i)))
   dq_in_specs += [tiles.capture_block_spec(op, x.shape, blocked="q", block=bq)
                   for op, x in zip(plan.operands, capture_arrays)]
-  q_lists = () if block_mask is None else block_mask.q_major()
+  q_lists = () if block_mask is None else block_mask.q_major(seq_q_pad // bq)
   dq_in_specs += block_mask_specs(q_lists)
   dq_uses = plan.uses_of(ROW) + plan.uses_of(TILE)
   dq_out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -378,7 +378,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
                                      lambda i, b, h: (b, h, 0, 0)))
   dkv_in_specs += [tiles.capture_block_spec(op, x.shape, blocked="kv", block=bk, head_block=group)
                    for op, x in zip(plan.operands, capture_arrays)]
-  kv_lists = () if block_mask is None else block_mask.kv_major()
+  kv_lists = () if block_mask is None else block_mask.kv_major(seq_kv_pad // bk)
   dkv_in_specs += _kv_major_specs(kv_lists, group)
   key_uses = plan.uses_of(KEY)
   dkv_out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
