@@ -151,8 +151,7 @@ def linear_attention(q, k, v, *, log_decay=None,
   d_values = next_power_of_2(max(values.shape[-1], 16))
   decay_kind = _kernel_decay_kind(spec.decay_kind)
   if config is None:
-    config = heuristic_linear_config(spec.seq_len, d_feature, d_values,
-                                     decay_kind)
+    config = heuristic_linear_config(spec.seq_len, d_feature, d_values)
   chunk = chunk_size or config.chunk_size
   block_v = min(config.block_v, d_values)
   seq_len = math.ceil(spec.seq_len / chunk) * chunk

@@ -261,6 +261,35 @@ def test_several_value_blocks_and_default_chunk(interpret):
     assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32])
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("kind", ["scalar", "vector"])
+def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
+  """Dk = 128 and Dv = 80 (padded to 128): the state passes run 2 x 2 tiles
+  of 64 x 64 per head, forwards and in reverse."""
+  _skip_without_gpu(interpret)
+  d_k, d_v = 128, 80
+  shape = (1, S, 1)
+  q, k = _normal(40, shape + (d_k,)), _normal(41, shape + (d_k,))
+  v = _normal(42, shape + (d_v,))
+  state = _normal(43, (1, 1, d_k, d_v))
+  u = jax.random.uniform(jax.random.PRNGKey(44),
+                         shape + ((d_k,) if kind == "vector" else ()))
+  log_decay = -(0.01 + 0.99 * u)
+  call = lambda q, k, v, g, s: linear_attention(
+      q, k, v, log_decay=g, initial_state=s, return_final_state=True,
+      chunk_size=CHUNK, interpret=interpret)
+  ref = lambda q, k, v, g, s: linear_attention_reference(
+      q, k, v, log_decay=g, initial_state=s)
+  args = (q, k, v, log_decay, state)
+  for name, x, x_ref in zip(["o", "final state"], call(*args), ref(*args)):
+    assert_close(x, x_ref, 1e-5, name)
+  names = ["dq", "dk", "dv", "d_log_decay", "d_initial_state"]
+  grads = _grads(call, args, (0, 1, 2, 3, 4), v.shape, state.shape)
+  grads_ref = _grads(ref, args, (0, 1, 2, 3, 4), v.shape, state.shape)
+  for name, g, g_ref in zip(names, grads, grads_ref):
+    assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32], name)
+
+
 @pytest.mark.parametrize("kind", ["scalar", "vector"])
 def test_strong_decay_over_long_chunks_is_stable(kind):
   """Cumulative log decays down to about -2000 within a 64-token chunk."""

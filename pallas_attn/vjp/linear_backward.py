@@ -1,15 +1,17 @@
 """Backward pass of chunked linear attention, and its `jax.custom_vjp`.
 
-One Pallas kernel walks the chunks in reverse with the state cotangent
-`dS [Dk, block_v]` in registers, reading the state that entered each chunk
-from the forward's residuals (one per chunk). Per chunk, with `g` the
-chunk-cumulative log decays, `D` the causal decay matrix and
-`dA = (dO V^T) * D`:
+Two passes, as in the forward. The state pass of the forward runs in
+reverse (`state_pass(..., reverse=True)`): dS <- exp(g_last) dS +
+scale * (Q * exp(g))^T dO from the last chunk down, storing the cotangent
+of the state leaving each chunk; what is left is d(initial state). Then a
+gradient pass runs one program per (Dv block, chunk, batch, head), all in
+parallel, from the stored states S (entering the chunk, the forward's
+residual) and cotangents dS. Per chunk, with `g` the chunk-cumulative log
+decays, `D` the causal decay matrix and `dA = (dO V^T) * D`:
 
   dq = scale * (dA K + (dO S^T) * exp(g))
   dk = scale * dA^T Q + (V dS^T) * exp(g_last - g)
   dv = scale * (Q K^T * D)^T dO + (K * exp(g_last - g)) dS
-  dS = exp(g_last) * dS + scale * (Q * exp(g))^T dO
 
 (the "vector" kind runs the same terms in row blocks, as the forward does).
 A program sees one Dv block, so dq and dk come out as per-block partial sums
@@ -33,105 +35,84 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
-    SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_states_spec,
-    chunked_forward, decay_spec, dense_decay, diagonal_block, masked_rescale,
-    scale_rows, sequence_spec, state_spec)
+    SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_spec,
+    chunk_state_spec, chunked_forward, decay_chunk_spec, dense_decay,
+    diagonal_block, masked_rescale, scale_rows, state_pass)
 
 
-def _dense_chunk_grads(start, c, d_state, refs, *, chunk, scale, mm):
-  """Gradients of one chunk and dS before it ("none"/"scalar" decay)."""
-  q_ref, k_ref, v_ref, g_ref, states_ref, do_ref, dq_ref, dk_ref, dv_ref = refs
-  rows = pl.ds(start, chunk)
-  q, k, v, do = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :], do_ref[rows, :]
+def _dense_chunk_grads(refs, *, chunk, scale, mm):
+  """Gradients of one chunk ("none"/"scalar" decay)."""
+  (q_ref, k_ref, v_ref, g_ref, state_ref, d_state_ref, do_ref, dq_ref, dk_ref,
+   dv_ref) = refs
+  q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
   dtype = q.dtype
-  state = states_ref[c, :, :]
-  d_state_in = d_state.astype(dtype)
-  decay, g, g_to_end, g_last = dense_decay(g_ref, start, chunk)
+  state, d_state = state_ref[...], d_state_ref[...]
+  decay, g, g_to_end = dense_decay(g_ref, chunk)
   scores = (mm(q, k, trans_b=True) * decay).astype(dtype)
   d_scores = (mm(do, v, trans_b=True) * decay).astype(dtype)
-  dq_ref[rows, :] = scale * (
+  dq_ref[...] = scale * (
       mm(d_scores, k) + scale_rows(mm(do, state, trans_b=True), g))
-  dk_ref[rows, :] = (scale * mm(d_scores.T, q)
-                     + scale_rows(mm(v, d_state_in, trans_b=True), g_to_end))
-  dv_ref[rows, :] = (scale * mm(scores.T, do) + mm(
-      scale_rows(k, g_to_end).astype(dtype), d_state_in)).astype(dv_ref.dtype)
-  carried = d_state if g_last is None else jnp.exp(g_last) * d_state
-  return carried + scale * mm(scale_rows(q, g).astype(dtype).T, do)
+  dk_ref[...] = (scale * mm(d_scores.T, q)
+                 + scale_rows(mm(v, d_state, trans_b=True), g_to_end))
+  dv_ref[...] = (scale * mm(scores.T, do) + mm(
+      scale_rows(k, g_to_end).astype(dtype), d_state)).astype(dv_ref.dtype)
 
 
-def _vector_chunk_grads(start, c, d_state, refs, *, chunk, scale, mm):
-  """Gradients of one chunk and dS before it ("vector" decay).
+def _vector_chunk_grads(refs, *, chunk, scale, mm):
+  """Gradients of one chunk ("vector" decay).
 
   Row block b pairs its queries with earlier keys (rescaled to the row
   before b, as in the forward) and its keys with later queries (rescaled to
   b's last row), so every exponent stays <= 0.
   """
-  q_ref, k_ref, v_ref, g_ref, states_ref, do_ref, dq_ref, dk_ref, dv_ref = refs
-  full = pl.ds(start, chunk)  # chunk-wide tiles are re-read where used
-  g_last = g_ref[start + chunk - 1, :][None, :]
+  (q_ref, k_ref, v_ref, g_ref, state_ref, d_state_ref, do_ref, dq_ref, dk_ref,
+   dv_ref) = refs
+  g_last = g_ref[chunk - 1, :][None, :]
   dtype = q_ref.dtype
-  state = states_ref[c, :, :]
-  d_state_in = d_state.astype(dtype)
   chunk_rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
   num_blocks = chunk // SUB_BLOCK
-  for block in range(num_blocks):
+  for block in range(num_blocks):  # chunk-wide tiles are re-read where used
     offset = block * SUB_BLOCK
-    rows = pl.ds(start + offset, SUB_BLOCK)
+    rows = pl.ds(offset, SUB_BLOCK)
     q_b, k_b, v_b = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
     do_b, g_b = do_ref[rows, :], g_ref[rows, :]
     scores, dq_b, dk_b = diagonal_block(
-        q_b, g_b, k_ref, g_ref, start + offset, mm(do_b, v_b, trans_b=True))
-    dq_b += scale_rows(mm(do_b, state, trans_b=True), g_b)
+        q_b, g_b, k_ref, g_ref, offset, mm(do_b, v_b, trans_b=True))
+    dq_b += scale_rows(mm(do_b, state_ref[...], trans_b=True), g_b)
     dk_b *= scale
     dv_b = scale * mm(scores.astype(dtype).T, do_b)
     if block:  # this block's queries, keys of earlier blocks
-      g_anchor = g_ref[start + offset - 1, :][None, :]
-      k_earlier = masked_rescale(k_ref[full, :], g_anchor - g_ref[full, :],
+      g_anchor = g_ref[offset - 1, :][None, :]
+      k_earlier = masked_rescale(k_ref[...], g_anchor - g_ref[...],
                                  chunk_rows < offset)
-      d_scores = mm(do_b, v_ref[full, :], trans_b=True).astype(dtype)
+      d_scores = mm(do_b, v_ref[...], trans_b=True).astype(dtype)
       dq_b += scale_rows(mm(d_scores, k_earlier.astype(dtype)),
                          g_b - g_anchor)
     if block < num_blocks - 1:  # this block's keys, queries of later blocks
-      g_anchor = g_ref[start + offset + SUB_BLOCK - 1, :][None, :]
-      q_later = masked_rescale(q_ref[full, :], g_ref[full, :] - g_anchor,
+      g_anchor = g_ref[offset + SUB_BLOCK - 1, :][None, :]
+      q_later = masked_rescale(q_ref[...], g_ref[...] - g_anchor,
                                chunk_rows >= offset + SUB_BLOCK).astype(dtype)
       scores = mm(q_later, scale_rows(k_b, g_anchor - g_b).astype(dtype),
                   trans_b=True)
-      d_scores = mm(do_ref[full, :], v_b, trans_b=True).astype(dtype)
+      d_scores = mm(do_ref[...], v_b, trans_b=True).astype(dtype)
       dk_b += scale * scale_rows(mm(d_scores.T, q_later), g_anchor - g_b)
-      dv_b += scale * mm(scores.astype(dtype).T, do_ref[full, :])
+      dv_b += scale * mm(scores.astype(dtype).T, do_ref[...])
     k_to_end = scale_rows(k_b, g_last - g_b).astype(dtype)
     dq_ref[rows, :] = scale * dq_b
-    dk_ref[rows, :] = dk_b + scale_rows(mm(v_b, d_state_in, trans_b=True),
+    d_state = d_state_ref[...]
+    dk_ref[rows, :] = dk_b + scale_rows(mm(v_b, d_state, trans_b=True),
                                         g_last - g_b)
-    dv_ref[rows, :] = (dv_b + mm(k_to_end, d_state_in)).astype(dv_ref.dtype)
-  q_decayed = scale_rows(q_ref[full, :], g_ref[full, :]).astype(dtype)
-  return (jnp.exp(g_last).T * d_state
-          + scale * mm(q_decayed.T, do_ref[full, :]))
+    dv_ref[rows, :] = (dv_b + mm(k_to_end, d_state)).astype(dv_ref.dtype)
 
 
-def _backward_kernel(*refs, schedule: ChunkedSchedule, num_chunks: int,
-                     fp32_exact: bool):
-  has_decay = schedule.decay_kind != "none"
+def _gradient_kernel(*refs, schedule: ChunkedSchedule, fp32_exact: bool):
   q_ref, k_ref, v_ref, *refs = refs
-  g_ref = refs.pop(0) if has_decay else None
-  (states_ref, do_ref, d_final_ref, dq_ref, dk_ref, dv_ref,
-   d_initial_ref) = refs
-  chunk = schedule.chunk_size
-  step = (_vector_chunk_grads if schedule.decay_kind == "vector"
-          else _dense_chunk_grads)
-  step = functools.partial(
-      step, refs=(q_ref, k_ref, v_ref, g_ref, states_ref, do_ref, dq_ref,
-                  dk_ref, dv_ref),
-      chunk=chunk, scale=schedule.scale,
-      mm=functools.partial(backend.dot, fp32_exact=fp32_exact))
-
-  def body(i, d_state):
-    c = num_chunks - 1 - i
-    return step(c * chunk, c, d_state)
-
-  d_initial_ref[...] = lax.fori_loop(0, num_chunks, body,
-                                     d_final_ref[...].astype(jnp.float32))
+  g_ref = refs.pop(0) if schedule.decay_kind != "none" else None
+  grads = (_vector_chunk_grads if schedule.decay_kind == "vector"
+           else _dense_chunk_grads)
+  grads((q_ref, k_ref, v_ref, g_ref, *refs), chunk=schedule.chunk_size,
+        scale=schedule.scale,
+        mm=functools.partial(backend.dot, fp32_exact=fp32_exact))
 
 
 def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
@@ -143,34 +124,33 @@ def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
   """
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
-  block_v = schedule.block_v
+  chunk, block_v = schedule.chunk_size, schedule.block_v
   num_blocks_v = d_v // block_v
-  num_chunks = seq_len // schedule.chunk_size
-  in_specs = [sequence_spec(seq_len, d_feature, column_blocked=False)] * 2 + [
-      sequence_spec(seq_len, block_v, column_blocked=True)]
+  d_out = d_out.astype(q.dtype)
+  d_states, d_initial = state_pass(q, d_out, log_decay_cum, d_final, schedule,
+                                   reverse=True)
+  in_specs = [chunk_spec(chunk, d_feature, column_blocked=False)] * 2 + [
+      chunk_spec(chunk, block_v, column_blocked=True)]
   inputs = [q, k, v]
   if log_decay_cum is not None:
-    in_specs.append(decay_spec(log_decay_cum))
+    in_specs.append(decay_chunk_spec(log_decay_cum, chunk))
     inputs.append(log_decay_cum)
-  in_specs += [chunk_states_spec(num_chunks, d_feature, block_v),
-               sequence_spec(seq_len, block_v, column_blocked=True),
-               state_spec(d_feature, block_v)]
-  inputs += [chunk_states, d_out.astype(q.dtype), d_final]
-  partial_spec = pl.BlockSpec((None, None, seq_len, None, d_feature),
-                              lambda b, h, j: (j, b, 0, h, 0))
+  in_specs += [chunk_state_spec(d_feature, block_v)] * 2 + [
+      chunk_spec(chunk, block_v, column_blocked=True)]
+  inputs += [chunk_states, d_states, d_out]
+  partial_spec = pl.BlockSpec((None, None, chunk, None, d_feature),
+                              lambda j, c, b, h: (j, b, c, h, 0))
   partial_shape = jax.ShapeDtypeStruct(
       (num_blocks_v, batch, seq_len, heads, d_feature), jnp.float32)
   out_shape = [partial_shape, partial_shape,
-               jax.ShapeDtypeStruct(v.shape, v.dtype),
-               jax.ShapeDtypeStruct((batch, heads, d_feature, d_v),
-                                    jnp.float32)]
-  out_specs = [partial_spec, partial_spec, sequence_spec(seq_len, block_v, column_blocked=True),
-               state_spec(d_feature, block_v)]
-  kernel = functools.partial(
-      _backward_kernel, schedule=schedule, num_chunks=num_chunks,
-      fp32_exact=q.dtype == jnp.float32)
-  dq, dk, dv, d_initial = backend.pallas_call(
-      kernel, out_shape=out_shape, grid=(batch, heads, num_blocks_v),
+               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_specs = [partial_spec, partial_spec,
+               chunk_spec(chunk, block_v, column_blocked=True)]
+  kernel = functools.partial(_gradient_kernel, schedule=schedule,
+                             fp32_exact=q.dtype == jnp.float32)
+  dq, dk, dv = backend.pallas_call(
+      kernel, out_shape=out_shape,
+      grid=(num_blocks_v, seq_len // chunk, batch, heads),
       in_specs=in_specs, out_specs=out_specs, num_warps=schedule.num_warps,
       num_stages=schedule.num_stages, interpret=schedule.interpret,
       name=f"linear_attention_bwd_{schedule.decay_kind}")(*inputs)
@@ -199,8 +179,7 @@ def chunked_linear_attention(q, k, v, log_decay, initial_state,
   kind named by `schedule.decay_kind`). Returns (o, final state).
   """
   o, final_state, _ = chunked_forward(
-      q, k, v, _cumulative(log_decay, schedule), initial_state, schedule,
-      store_states=False)
+      q, k, v, _cumulative(log_decay, schedule), initial_state, schedule)
   return o, final_state
 
 
@@ -213,7 +192,7 @@ def _cumulative(log_decay, schedule: ChunkedSchedule):
 def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
   log_decay_cum = _cumulative(log_decay, schedule)
   o, final_state, chunk_states = chunked_forward(
-      q, k, v, log_decay_cum, initial_state, schedule, store_states=True)
+      q, k, v, log_decay_cum, initial_state, schedule)
   residuals = (q, k, v, log_decay_cum, chunk_states, final_state)
   return (o, final_state), residuals
 

@@ -1,5 +1,6 @@
-"""Chunked-recurrent kernels: linear attention with decays (forward template,
-plain-JAX references). The backward kernels live in `pallas_attn.vjp`.
+"""Chunked-recurrent kernels: linear attention with decays (the forward's
+state and output passes, plain-JAX references). The backward kernels live
+in `pallas_attn.vjp`.
 """
 from pallas_attn.kernels.linear.chunked_forward import (
     ChunkedSchedule, chunked_forward, heuristic_linear_config)
