@@ -35,9 +35,9 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
-    SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_spec,
-    chunk_state_spec, chunked_forward, decay_chunk_spec, dense_decay,
-    diagonal_block, masked_rescale, scale_rows, state_pass)
+    SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_inputs,
+    chunk_spec, chunk_state_spec, chunked_forward, dense_decay, diagonal_block,
+    masked_rescale, scale_rows, state_pass)
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
@@ -129,12 +129,7 @@ def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
   d_out = d_out.astype(q.dtype)
   d_states, d_initial = state_pass(q, d_out, log_decay_cum, d_final, schedule,
                                    reverse=True)
-  in_specs = [chunk_spec(chunk, d_feature, column_blocked=False)] * 2 + [
-      chunk_spec(chunk, block_v, column_blocked=True)]
-  inputs = [q, k, v]
-  if log_decay_cum is not None:
-    in_specs.append(decay_chunk_spec(log_decay_cum, chunk))
-    inputs.append(log_decay_cum)
+  in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
   in_specs += [chunk_state_spec(d_feature, block_v)] * 2 + [
       chunk_spec(chunk, block_v, column_blocked=True)]
   inputs += [chunk_states, d_states, d_out]

@@ -280,6 +280,19 @@ def decay_chunk_spec(log_decay_cum, chunk: int):
                       lambda j, c, b, h: (b, c, h, 0))
 
 
+def chunk_inputs(q, k, v, log_decay_cum, schedule: ChunkedSchedule):
+  """BlockSpecs and arrays of q, k, v (and the decays) for a per-chunk grid
+  (Dv block, chunk, batch, head), as the output and gradient passes read them."""
+  chunk, block_v = schedule.chunk_size, schedule.block_v
+  in_specs = [chunk_spec(chunk, q.shape[-1], column_blocked=False)] * 2 + [
+      chunk_spec(chunk, block_v, column_blocked=True)]
+  inputs = [q, k, v]
+  if log_decay_cum is not None:
+    in_specs.append(decay_chunk_spec(log_decay_cum, chunk))
+    inputs.append(log_decay_cum)
+  return in_specs, inputs
+
+
 def chunk_state_spec(d_feature: int, block_v: int):
   """Block of one chunk's state [Dk, block_v] of [B, H, N, Dk, Dv]."""
   return pl.BlockSpec((None, None, None, d_feature, block_v),
@@ -351,12 +364,7 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
   num_chunks = seq_len // chunk
   chunk_states, final_state = state_pass(k, v, log_decay_cum, initial_state,
                                          schedule, reverse=False)
-  in_specs = [chunk_spec(chunk, d_feature, column_blocked=False)] * 2 + [
-      chunk_spec(chunk, block_v, column_blocked=True)]
-  inputs = [q, k, v]
-  if log_decay_cum is not None:
-    in_specs.append(decay_chunk_spec(log_decay_cum, chunk))
-    inputs.append(log_decay_cum)
+  in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
   in_specs.append(chunk_state_spec(d_feature, block_v))
   inputs.append(chunk_states)
   kernel = functools.partial(_output_kernel, schedule=schedule,
