@@ -60,32 +60,25 @@ def _pad_to(x, axis, length):
   return jnp.pad(x, widths)
 
 
-def _cached_config(template: str, analysis: VariantAnalysis, q, k, v):
-  return tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
-                                    k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
+# Per kernel template: the argument that sets its config, and the default heuristic.
+_CONFIG_SOURCES = {
+    "forward": ("config", heuristic_config),
+    "backward": ("bwd_config", heuristic_backward_config),
+}
 
 
-def resolve_config(config, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
-  """An explicit config, else a tuned one from the cache, else the heuristic.
-
-  A cache miss never triggers tuning (see `pallas-attn tune`).
-  """
+def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
+  """The `template` pass's config: an explicit one, else a tuned one from the
+  cache, else the heuristic. A cache miss never triggers tuning (see
+  `pallas-attn tune`)."""
+  arg_name, heuristic = _CONFIG_SOURCES[template]
   if isinstance(config, AttentionConfig):
     return config
   if config not in (None, "auto"):
-    raise TypeError(f"config must be an AttentionConfig, 'auto' or None; got {config!r}")
-  return (_cached_config("forward", analysis, q, k, v)
-          or heuristic_config(q.shape[1], k.shape[1], q.shape[3], v.shape[3]))
-
-
-def resolve_bwd_config(bwd_config, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
-  """An explicit backward config, else a tuned one from the cache, else the heuristic."""
-  if isinstance(bwd_config, AttentionConfig):
-    return bwd_config
-  if bwd_config not in (None, "auto"):
-    raise TypeError(f"bwd_config must be an AttentionConfig, 'auto' or None; got {bwd_config!r}")
-  return (_cached_config("backward", analysis, q, k, v)
-          or heuristic_backward_config(q.shape[1], k.shape[1], q.shape[3], v.shape[3]))
+    raise TypeError(f"{arg_name} must be an AttentionConfig, 'auto' or None; got {config!r}")
+  return (tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
+                                     k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
+          or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3]))
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
@@ -127,8 +120,8 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   """
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  cfg = resolve_config(config, analysis, q, k, v)
-  bwd_cfg = resolve_bwd_config(bwd_config, analysis, q, k, v)
+  cfg = resolve_config(config, "forward", analysis, q, k, v)
+  bwd_cfg = resolve_config(bwd_config, "backward", analysis, q, k, v)
   interpret = backend.resolve_interpret(interpret)
   block_masks = _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret)
   if block_masks is not None:
@@ -181,9 +174,9 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
 
 def _retiled(block_mask, block_q: int, block_k: int):
   """`block_mask` on other tiles, or itself where the sizes do not divide."""
-  divides = all(max(a, b) % min(a, b) == 0 for a, b in
-                ((block_mask.block_q, block_q), (block_mask.block_k, block_k)))
-  return block_mask.with_blocks(block_q, block_k) if divides else block_mask
+  if block_mask.can_retile(block_q, block_k):
+    return block_mask.with_blocks(block_q, block_k)
+  return block_mask
 
 
 def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):

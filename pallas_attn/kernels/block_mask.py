@@ -72,10 +72,18 @@ class BlockMask:
     """
     if (block_q, block_k) == (self.block_q, self.block_k):
       return self
+    if not self.can_retile(block_q, block_k):
+      raise ValueError(f"cannot re-tile a block mask from {self.block_q}x{self.block_k} to "
+                       f"{block_q}x{block_k}: block sizes must divide each other")
     classes = _retile(self.classes, 2, self.block_q, block_q, -(-self.seq_q // block_q))
     classes = _retile(classes, 3, self.block_k, block_k, -(-self.seq_kv // block_k))
     return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=self.seq_q,
                         seq_kv=self.seq_kv)
+
+  def can_retile(self, block_q: int, block_k: int) -> bool:
+    """Whether `with_blocks` takes these sizes: each divides the current one or is a multiple."""
+    return all(max(a, b) % min(a, b) == 0
+               for a, b in ((self.block_q, block_q), (self.block_k, block_k)))
 
   def density(self) -> float:
     """Fraction of tiles visited (partial or full)."""
@@ -144,10 +152,8 @@ def _grid_rows(lists, num_blocks: int | None):
 
 
 def _retile(classes, axis: int, block: int, new_block: int, count: int):
-  """Tile classes along `axis` for tiles of `new_block` (`count` of them)."""
-  if max(block, new_block) % min(block, new_block):
-    raise ValueError(f"cannot re-tile a block mask from {block} to {new_block}: "
-                     "block sizes must divide each other")
+  """Tile classes along `axis` for tiles of `new_block` (`count` of them);
+  the two sizes divide each other (`BlockMask.can_retile`)."""
   if new_block <= block:
     return jnp.repeat(classes, block // new_block, axis=axis)[
         (slice(None),) * axis + (slice(0, count),)]
