@@ -67,7 +67,7 @@ def sweep_forward():
 
 def compare_order():
   heaviest = (tiles.program_block, tiles.heaviest_first)
-  natural = (lambda n: pl.program_id(0), lambda specs, n: specs)
+  natural = (lambda: pl.program_id(0), lambda specs, n: specs)
   for seq in (4096, 16384):
     batch = 16384 // seq
     q, k, v = inputs(batch, seq, HEADS, D, D)

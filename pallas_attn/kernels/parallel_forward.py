@@ -83,7 +83,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
     lists = (partial_num_ref[0], lambda j: partial_idx_ref[j],
              full_num_ref[0], lambda j: full_idx_ref[j])
   o_ref, stat_ref, *row_stats_refs = rest  # row stats: normalized rownorms only
-  qi = tiles.program_block(pl.num_programs(0))
+  qi = tiles.program_block()
   b, h = pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   online, tile = plan.online, plan.tile

@@ -182,14 +182,14 @@ def tile_indices(start, size, axis):
   return start + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def program_block(num_blocks):
+def program_block():
   """The block of grid axis 0 that this program owns: last to first.
 
   Under causal-like masks the last query blocks see the most keys; launching
   them first (longest job first) leaves short programs for the final wave.
   `heaviest_first` gives the BlockSpecs the same order.
   """
-  return num_blocks - 1 - pl.program_id(0)
+  return pl.num_programs(0) - 1 - pl.program_id(0)
 
 
 def heaviest_first(specs, num_blocks: int):

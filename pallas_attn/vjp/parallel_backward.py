@@ -186,7 +186,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   row_uses, tile_uses = plan.uses_of(ROW), plan.uses_of(TILE)
   dq_ref, *grad_refs = out_refs
   row_grad_refs, tile_grad_refs = grad_refs[:len(row_uses)], grad_refs[len(row_uses):]
-  qi = tiles.program_block(pl.num_programs(0))
+  qi = tiles.program_block()
   b, h = pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
   tile = plan.tile

@@ -45,10 +45,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
+from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import LinearAttentionConfig, clamp_block
 
 SUB_BLOCK = 16  # rows of a vector-decay row block (the smallest dot operand)
-LOG2_E = 1.4426950408889634
 # State-pass tiles: at most 64 x 64 of the state per program on 4 warps. The
 # pass is a chain of small dots, so many small programs beat wide ones.
 STATE_BLOCK = 64
@@ -100,7 +100,7 @@ def chunk_cumulative_log_decay(log_decay, chunk_size: int):
       batch, seq_len // chunk_size, chunk_size, *log_decay.shape[2:])
   # Scaled per step, before the sum: rounding stays relative to each step,
   # not to the (large, cancelling) cumulative values.
-  return jnp.cumsum(chunks * LOG2_E, axis=2).reshape(log_decay.shape)
+  return jnp.cumsum(chunks * LOG2E, axis=2).reshape(log_decay.shape)
 
 
 def scale_rows(x, log_factor):
