@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_attn as pa
-from bench_forward import CAUSAL, environment, fmt_tflops, inputs, time_fn
+from bench_forward import CAUSAL, cell, environment, fmt_tflops, inputs, time_fn
 from pallas_attn.schedule.timing import attention_flops, mask_density
 
 WINDOW = 256
@@ -87,10 +87,6 @@ def memory_bytes(fn, *args):
   return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
 
 
-def _cell(ms, flops):
-  return None if ms is None else {"ms": ms, "tflops": flops / ms / 1e9}
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default="benchmarks/results")
@@ -112,7 +108,7 @@ def main(argv=None):
         row = {"d": d, "causal": causal, "seq": seq, "batch": batch}
         for name, fn in peers_softmax(causal).items():
           ms, err = time_fn(step(fn), q, k, v, d_out)
-          row[name] = _cell(ms, flops)
+          row[name] = cell(ms, flops)
           if err:
             results["errors"].append(f"{name} d={d} causal={causal} S={seq}: {err}")
         results["softmax"].append(row)
@@ -129,7 +125,7 @@ def main(argv=None):
     for impl, fn in (("pallas_attn", lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw)),
                      ("xla", lambda q, k, v, kw=kw: pa.attention_reference(q, k, v, **kw))):
       ms, err = time_fn(step(fn), q, k, v, d_out)
-      row[impl] = _cell(ms, flops)
+      row[impl] = cell(ms, flops)
       if err:
         results["errors"].append(f"{impl} {name}: {err}")
     if row["pallas_attn"]:
@@ -141,7 +137,7 @@ def main(argv=None):
   flops = attention_flops(batch, heads, seq, seq, d, d, mode="fwd_bwd")
   ms, err = time_fn(alibi_with_slopes_gradient(heads), q, k, v, d_out)
   row = {"variant": "alibi_dslopes", "seq": seq, "batch": batch, "density": 1.0,
-         "pallas_attn": _cell(ms, flops), "xla": None}
+         "pallas_attn": cell(ms, flops), "xla": None}
   if ms is not None and "vanilla" in ours_tflops:
     row["vs_vanilla"] = row["pallas_attn"]["tflops"] / ours_tflops["vanilla"]
   if err:

@@ -102,7 +102,7 @@ def main(argv=None):
         row = {"d": d, "causal": causal, "seq": seq, "batch": tokens // seq}
         for name, fn in peers_softmax(causal).items():
           ms, err = time_fn(fn, q, k, v)
-          row[name] = None if ms is None else {"ms": ms, "tflops": flops / ms / 1e9}
+          row[name] = cell(ms, flops)
           if err:
             results["errors"].append(f"{name} d={d} causal={causal} S={seq}: {err}")
         results["softmax"].append(row)
@@ -117,7 +117,7 @@ def main(argv=None):
       for impl, fn in (("pallas_attn", lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw)),
                        ("xla", lambda q, k, v, kw=kw: pa.attention_reference(q, k, v, **kw))):
         ms, err = time_fn(fn, q, k, v)
-        row[impl] = None if ms is None else {"ms": ms, "tflops": flops / ms / 1e9}
+        row[impl] = cell(ms, flops)
         if err:
           results["errors"].append(f"{impl} {row['variant']}: {err}")
       results["variants"].append(row)
@@ -140,9 +140,14 @@ def main(argv=None):
   return 0
 
 
-def fmt_tflops(cell):
+def cell(ms, flops):
+  """A measurement cell (ms and TFLOP/s), or None when the call failed."""
+  return None if ms is None else {"ms": ms, "tflops": flops / ms / 1e9}
+
+
+def fmt_tflops(measured):
   """A measurement cell as whole TFLOP/s, or n/a."""
-  return "n/a" if cell is None else f"{cell['tflops']:.0f}"
+  return "n/a" if measured is None else f"{measured['tflops']:.0f}"
 
 
 def print_table(results):

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -11,6 +12,14 @@ MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
+
+# Random ragged shapes for property tests: `@given(**RANDOM_SHAPES)` draws the
+# arguments of `qkv` (query heads are kv_heads * group) and a causal flag.
+RANDOM_SHAPES = dict(
+    batch=st.integers(1, 2), seq_q=st.integers(1, 40), seq_kv=st.integers(1, 40),
+    kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
+    d_qk=st.sampled_from([8, 16, 24]), d_v=st.sampled_from([8, 16, 40]),
+    causal=st.booleans(), seed=st.integers(0, 1000))
 
 
 def pytest_collection_modifyitems(config, items):

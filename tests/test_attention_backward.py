@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 import pallas_attn as pa
 import test_attention_forward as forward_tests
-from conftest import MODES, TOLERANCE, assert_close, qkv, random
+from conftest import MODES, RANDOM_SHAPES, TOLERANCE, assert_close, qkv, random
 
 SMALL = pa.AttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=1)
 HEADS = 4
@@ -269,10 +269,7 @@ def test_vmap_of_grad(interpret):
 
 
 @settings(max_examples=5, deadline=None)
-@given(batch=st.integers(1, 2), seq_q=st.integers(1, 40), seq_kv=st.integers(1, 40),
-       kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
-       d_qk=st.sampled_from([8, 16, 24]), d_v=st.sampled_from([8, 16, 40]),
-       causal=st.booleans(), seed=st.integers(0, 1000))
+@given(**RANDOM_SHAPES)
 def test_random_shapes_property(batch, seq_q, seq_kv, kv_heads, group, d_qk, d_v, causal, seed):
   q, k, v = qkv(batch, seq_q, seq_kv, kv_heads * group, kv_heads, d_qk, d_v, seed=seed)
   # A fill of -1e9 keeps the reference finite on rows that causal masking empties.

@@ -3,10 +3,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 import pallas_attn as pa
-from conftest import MODES, assert_close, qkv, random
+from conftest import MODES, RANDOM_SHAPES, assert_close, qkv, random
 
 SMALL = pa.AttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=1)
 HEADS = 4
@@ -197,10 +197,7 @@ def test_default_config_and_longer_sequence(interpret):
 
 
 @settings(max_examples=8, deadline=None)
-@given(batch=st.integers(1, 2), seq_q=st.integers(1, 40), seq_kv=st.integers(1, 40),
-       kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2]),
-       d_qk=st.sampled_from([8, 16, 24]), d_v=st.sampled_from([8, 16, 40]),
-       causal=st.booleans(), seed=st.integers(0, 1000))
+@given(**RANDOM_SHAPES)
 def test_random_shapes_property(batch, seq_q, seq_kv, kv_heads, group, d_qk, d_v, causal, seed):
   q, k, v = qkv(batch, seq_q, seq_kv, kv_heads * group, kv_heads, d_qk, d_v, seed=seed)
   mask_mod = (lambda b, h, qi, ki: qi >= ki) if causal else None
