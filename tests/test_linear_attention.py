@@ -309,6 +309,28 @@ def test_strong_decay_over_long_chunks_is_stable(kind):
     assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32])
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_vector_decay_of_mixed_strength(interpret):
+  """Row blocks of mild decay pair their own keys on the tensor cores, those
+  of strong decay elementwise; one call with both matches the reference."""
+  _skip_without_gpu(interpret)
+  q, k, v = _inputs(seq_len=64)
+  strength = jnp.where(jnp.arange(64) % 32 < 16, 0.2, 40.0)[None, :, None, None]
+  log_decay = _log_decay("vector", 16, seq_len=64) * strength
+  call = lambda q, k, v, g: linear_attention(
+      q, k, v, log_decay=g, return_final_state=True, chunk_size=32,
+      interpret=interpret)
+  ref = lambda q, k, v, g: linear_attention_reference(q, k, v, log_decay=g)
+  args = (q, k, v, log_decay)
+  for x, x_ref, name in zip(call(*args), ref(*args), ["o", "final state"]):
+    assert_close(x, x_ref, 1e-5, name)
+  grads = _grads(call, args, (0, 1, 2, 3), v.shape, (B, H, DK, DV))
+  grads_ref = _grads(ref, args, (0, 1, 2, 3), v.shape, (B, H, DK, DV))
+  for name, g, g_ref in zip(["dq", "dk", "dv", "d_log_decay"], grads,
+                            grads_ref):
+    assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32], name)
+
+
 def test_under_jit():
   q, k, v = _inputs()
   log_decay = _log_decay("scalar", 14)

@@ -4,7 +4,7 @@ Two passes, as in the forward. The state pass of the forward runs in
 reverse (`state_pass(..., reverse=True)`): dS <- exp(g_last) dS +
 scale * (Q * exp(g))^T dO from the last chunk down, storing the cotangent
 of the state leaving each chunk; what is left is d(initial state). Then a
-gradient pass runs one program per (Dv block, chunk, batch, head), all in
+gradient pass runs one program per (Dv block, row block, batch, head), all in
 parallel, from the stored states S (entering the chunk, the forward's
 residual) and cotangents dS. Per chunk, with `g` the chunk-cumulative log
 decays, `D` the causal decay matrix and `dA = (dO V^T) * D`:
@@ -36,8 +36,9 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
     SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_inputs,
-    chunk_spec, chunk_state_spec, chunked_forward, dense_decay, diagonal_block,
-    masked_rescale, scale_rows, state_pass)
+    causal_from, chunk_state_spec, chunked_forward, dense_decay,
+    diagonal_block, masked_rescale, row_block_offset, row_spec, scale_rows,
+    sequence_spec, split_own_keys, state_pass)
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
@@ -59,50 +60,57 @@ def _dense_chunk_grads(refs, *, chunk, scale, mm):
 
 
 def _vector_chunk_grads(refs, *, chunk, scale, mm):
-  """Gradients of one chunk ("vector" decay).
+  """Gradients of one row block of a chunk ("vector" decay).
 
-  Row block b pairs its queries with earlier keys (rescaled to the row
-  before b, as in the forward) and its keys with later queries (rescaled to
-  b's last row), so every exponent stays <= 0.
+  The block's queries meet the keys of earlier blocks (rescaled to the row
+  before the block, as in the forward) and its keys meet the queries of
+  later blocks (rescaled to the block's last row), so every exponent stays
+  <= 0; the block's own pairs join those dots when `split_own_keys`
+  allows, else they are summed elementwise.
   """
   (q_ref, k_ref, v_ref, g_ref, state_ref, d_state_ref, do_ref, dq_ref, dk_ref,
    dv_ref) = refs
-  g_last = g_ref[chunk - 1, :][None, :]
   dtype = q_ref.dtype
+  offset = row_block_offset(chunk)
+  rows = pl.ds(offset, SUB_BLOCK)
   chunk_rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-  num_blocks = chunk // SUB_BLOCK
-  for block in range(num_blocks):  # chunk-wide tiles are re-read where used
-    offset = block * SUB_BLOCK
-    rows = pl.ds(offset, SUB_BLOCK)
-    q_b, k_b, v_b = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
-    do_b, g_b = do_ref[rows, :], g_ref[rows, :]
-    scores, dq_b, dk_b = diagonal_block(
-        q_b, g_b, k_ref, g_ref, offset, mm(do_b, v_b, trans_b=True))
-    dq_b += scale_rows(mm(do_b, state_ref[...], trans_b=True), g_b)
-    dk_b *= scale
-    dv_b = scale * mm(scores.astype(dtype).T, do_b)
-    if block:  # this block's queries, keys of earlier blocks
-      g_anchor = g_ref[offset - 1, :][None, :]
-      k_earlier = masked_rescale(k_ref[...], g_anchor - g_ref[...],
-                                 chunk_rows < offset)
-      d_scores = mm(do_b, v_ref[...], trans_b=True).astype(dtype)
-      dq_b += scale_rows(mm(d_scores, k_earlier.astype(dtype)),
-                         g_b - g_anchor)
-    if block < num_blocks - 1:  # this block's keys, queries of later blocks
-      g_anchor = g_ref[offset + SUB_BLOCK - 1, :][None, :]
-      q_later = masked_rescale(q_ref[...], g_ref[...] - g_anchor,
-                               chunk_rows >= offset + SUB_BLOCK).astype(dtype)
-      scores = mm(q_later, scale_rows(k_b, g_anchor - g_b).astype(dtype),
-                  trans_b=True)
-      d_scores = mm(do_ref[...], v_b, trans_b=True).astype(dtype)
-      dk_b += scale * scale_rows(mm(d_scores.T, q_later), g_anchor - g_b)
-      dv_b += scale * mm(scores.astype(dtype).T, do_ref[...])
-    k_to_end = scale_rows(k_b, g_last - g_b).astype(dtype)
-    dq_ref[rows, :] = scale * dq_b
-    d_state = d_state_ref[...]
-    dk_ref[rows, :] = dk_b + scale_rows(mm(v_b, d_state, trans_b=True),
-                                        g_last - g_b)
-    dv_ref[rows, :] = (dv_b + mm(k_to_end, d_state)).astype(dv_ref.dtype)
+  q_b, k_b, v_b = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
+  do_b, g_b = do_ref[rows, :], g_ref[rows, :]
+  g_before = g_ref[jnp.maximum(offset - 1, 0), :][None, :]
+  by_dot = split_own_keys(g_ref, offset, g_before)
+  scores, dq_b, dk_b = diagonal_block(
+      q_b, g_b, k_ref, g_ref, offset, SUB_BLOCK - by_dot,
+      mm(do_b, v_b, trans_b=True))
+  dq_b += scale_rows(mm(do_b, state_ref[...], trans_b=True), g_b)
+  dk_b *= scale
+  dv_b = scale * mm(scores.astype(dtype).T, do_b)
+  # This block's queries, keys of earlier blocks (and its own, by_dot).
+  keys = masked_rescale(k_ref[...], g_before - g_ref[...],
+                        chunk_rows < offset + by_dot)
+  causal = causal_from(offset, SUB_BLOCK, chunk)
+  d_scores = jnp.where(causal, mm(do_b, v_ref[...], trans_b=True), 0.0)
+  dq_b += scale_rows(mm(d_scores.astype(dtype), keys.astype(dtype)),
+                     g_b - g_before)
+  # This block's keys, queries of later blocks (and its own, by_dot).
+  g_after = g_ref[offset + SUB_BLOCK - 1, :][None, :]
+  queries = masked_rescale(q_ref[...], g_ref[...] - g_after,
+                           chunk_rows >= offset + SUB_BLOCK - by_dot
+                           ).astype(dtype)
+  causal = (lax.broadcasted_iota(jnp.int32, (chunk, SUB_BLOCK), 0)
+            >= offset + lax.broadcasted_iota(jnp.int32, (chunk, SUB_BLOCK), 1))
+  scores = jnp.where(causal, mm(queries, scale_rows(k_b, g_after - g_b).astype(
+      dtype), trans_b=True), 0.0)
+  d_scores = jnp.where(causal, mm(do_ref[...], v_b, trans_b=True), 0.0)
+  dk_b += scale * scale_rows(mm(d_scores.astype(dtype).T, queries),
+                             g_after - g_b)
+  dv_b += scale * mm(scores.astype(dtype).T, do_ref[...])
+  g_last = g_ref[chunk - 1, :][None, :]
+  k_to_end = scale_rows(k_b, g_last - g_b).astype(dtype)
+  dq_ref[...] = scale * dq_b
+  d_state = d_state_ref[...]
+  dk_ref[...] = dk_b + scale_rows(mm(v_b, d_state, trans_b=True),
+                                  g_last - g_b)
+  dv_ref[...] = (dv_b + mm(k_to_end, d_state)).astype(dv_ref.dtype)
 
 
 def _gradient_kernel(*refs, schedule: ChunkedSchedule, fp32_exact: bool):
@@ -124,28 +132,29 @@ def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
   """
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
-  chunk, block_v = schedule.chunk_size, schedule.block_v
+  block_v, rows = schedule.block_v, schedule.rows_per_program
   num_blocks_v = d_v // block_v
   d_out = d_out.astype(q.dtype)
   d_states, d_initial = state_pass(q, d_out, log_decay_cum, d_final, schedule,
                                    reverse=True)
   in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
-  in_specs += [chunk_state_spec(d_feature, block_v)] * 2 + [
-      chunk_spec(chunk, block_v, column_blocked=True)]
+  in_specs += [chunk_state_spec(schedule, d_feature)] * 2 + [
+      sequence_spec(schedule.chunk_size, block_v, column_blocked=True,
+                    programs_per_block=schedule.programs_per_chunk)]
   inputs += [chunk_states, d_states, d_out]
-  partial_spec = pl.BlockSpec((None, None, chunk, None, d_feature),
+  partial_spec = pl.BlockSpec((None, None, rows, None, d_feature),
                               lambda j, c, b, h: (j, b, c, h, 0))
   partial_shape = jax.ShapeDtypeStruct(
       (num_blocks_v, batch, seq_len, heads, d_feature), jnp.float32)
   out_shape = [partial_shape, partial_shape,
                jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_specs = [partial_spec, partial_spec,
-               chunk_spec(chunk, block_v, column_blocked=True)]
+               row_spec(schedule, block_v, column_blocked=True)]
   kernel = functools.partial(_gradient_kernel, schedule=schedule,
                              fp32_exact=q.dtype == jnp.float32)
   dq, dk, dv = backend.pallas_call(
       kernel, out_shape=out_shape,
-      grid=(num_blocks_v, seq_len // chunk, batch, heads),
+      grid=(num_blocks_v, seq_len // rows, batch, heads),
       in_specs=in_specs, out_specs=out_specs, num_warps=schedule.num_warps,
       num_stages=schedule.num_stages, interpret=schedule.interpret,
       name=f"linear_attention_bwd_{schedule.decay_kind}")(*inputs)

@@ -16,8 +16,9 @@ Only the state pass is sequential: one program per (batch, head, Dk block,
 Dv block) walks the chunks with a tile of the state in registers (the
 update is separable over Dk rows and Dv columns) and stores the state
 entering every chunk, one small dot per chunk. The output pass runs one
-program per (Dv block, chunk, batch, head), all in parallel, from the
-stored states. The backward (`pallas_attn.vjp`) runs the state pass in
+program per (Dv block, row block, batch, head), all in parallel, from the
+stored states; a row block is a whole chunk, or `SUB_BLOCK` rows of one for
+the vector kind. The backward (`pallas_attn.vjp`) runs the state pass in
 reverse for the state cotangents, then a parallel gradient pass.
 
 The output pass is specialised by the decay kind (a static argument):
@@ -26,9 +27,11 @@ The output pass is specialised by the decay kind (a static argument):
   masked product `(Q K^T * D) V` with `D_ij = exp(g_i - g_j)` for i >= j.
 * "vector" (GLA: `g` is [C, Dk]): `exp(g_id - g_jd)` does not factor out of
   the Dk contraction, so queries are processed in row blocks of
-  `SUB_BLOCK` tokens. Keys of earlier blocks are rescaled against the last
-  row before the block (both factors <= 1) and go through the tensor cores;
-  the diagonal block is summed elementwise, one key row at a time.
+  `SUB_BLOCK` tokens, one program each. Keys of earlier blocks are rescaled
+  against the last row before the block (both factors <= 1) and go through
+  the tensor cores. The block's own keys join them where its decay is mild
+  enough for the split factors to stay in range (`split_own_keys`), and
+  are summed elementwise, one key row at a time, where it is not.
 
 Normalisation and feature maps are not template parameters: the wrapper
 applies the feature maps and appends a ones column to v (the normaliser is
@@ -49,6 +52,7 @@ from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import LinearAttentionConfig, clamp_block
 
 SUB_BLOCK = 16  # rows of a vector-decay row block (the smallest dot operand)
+SPLIT_SPAN = 32.0  # base-2 decay span under which a row block's decay splits
 # State-pass tiles: at most 64 x 64 of the state per program on 4 warps. The
 # pass is a chain of small dots, so many small programs beat wide ones.
 STATE_BLOCK = 64
@@ -72,24 +76,35 @@ class ChunkedSchedule:
   interpret: bool
   out_dtype: str
 
+  @property
+  def rows_per_program(self) -> int:
+    """Tokens per program of the parallel passes: a whole chunk, or for the
+    vector kind one row block (`SUB_BLOCK`), so that the elementwise
+    diagonal blocks of a chunk run in parallel programs, not in sequence."""
+    return SUB_BLOCK if self.decay_kind == "vector" else self.chunk_size
+
+  @property
+  def programs_per_chunk(self) -> int:
+    return self.chunk_size // self.rows_per_program
+
 
 def heuristic_linear_config(seq_len: int, d_feature: int,
                             d_v: int) -> LinearAttentionConfig:
   """Default tiles for Hopper-class GPUs (padded Dk' and Dv given).
 
   64-token chunks for every kind (as flash-linear-attention): a program
-  holds one chunk and no carried state, so the vector kind's row blocks fit
-  too, and longer chunks mean fewer stored states and a shorter sequential
-  state pass. Dk > 128 falls back to 32-token chunks (the vector kind's
-  [C, Dk] float32 rescaled tiles). Dv blocks of up to 128 columns: each
-  Dv block recomputes the intra-chunk scores, so wider is cheaper while the
-  output tile fits registers on 8 warps. Short sequences shrink the chunk to
-  their padded length.
+  holds one chunk (or row block) and no carried state, and longer chunks
+  mean fewer stored states and a shorter sequential state pass. Dk > 128
+  falls back to 32-token chunks (the vector kind's [C, Dk] float32 rescaled
+  tiles). Dv blocks of up to 128 columns: each Dv block recomputes the
+  intra-chunk scores, so wider is cheaper. 4 warps: an H200 sweep (GLA,
+  scalar decay, Mamba2 shapes at S=4k) ran 1.2-1.5x faster than on 8.
+  Short sequences shrink the chunk to their padded length.
   """
   chunk = 64 if d_feature <= 128 else 32
   return LinearAttentionConfig(
       chunk_size=clamp_block(chunk, seq_len), block_v=min(128, d_v),
-      num_warps=8, num_stages=2)
+      num_warps=4, num_stages=2)
 
 
 def chunk_cumulative_log_decay(log_decay, chunk_size: int):
@@ -132,11 +147,29 @@ def dense_decay(g_ref, chunk: int):
   return decay, g[:, None], (g_ref[chunk - 1] - g)[:, None]
 
 
-def diagonal_block(q, g, k_ref, g_ref, start, d_scores=None):
+def split_own_keys(g_ref, offset, g_anchor):
+  """SUB_BLOCK (traced) if the row block at `offset` may pair with its own
+  keys on the tensor cores, else 0 (they go through `diagonal_block`).
+
+  A dot needs exp(g_i - g_j) split into a query and a key factor around
+  one anchor row, and for keys after the anchor the key factor is > 1. The
+  split is taken when the block's cumulative decay, from the anchor to its
+  last row, spans at most 2^-SPLIT_SPAN in every feature, so both factors
+  stay within 2^(+-SPLIT_SPAN): far from overflow and underflow in bfloat16
+  or float32. Stronger decays take the exact elementwise path.
+  """
+  span = jnp.max(g_anchor - g_ref[offset + SUB_BLOCK - 1, :][None, :])
+  # (Not jnp.where: Pallas' Triton lowering mistypes a select of scalars.)
+  return SUB_BLOCK * (span <= SPLIT_SPAN).astype(jnp.int32)
+
+
+def diagonal_block(q, g, k_ref, g_ref, start, num_keys, d_scores=None):
   """Vector-decay scores of a row block against its own keys, elementwise.
 
   q, g: the block's queries and cumulative log decays [T, Dk] (rows
   start..start+T-1, read from k_ref/g_ref one key row at a time).
+  num_keys: how many of the block's keys to pair (0 or T, may be traced:
+  0 when `split_own_keys` sent them through the tensor cores).
   Returns scores [T, T] (sum_d q_id k_jd exp(g_id - g_jd) for i >= j) and,
   given d_scores [T, T] (the cotangent of the scores, unmasked), the
   matching query and key gradients [T, Dk] (else None).
@@ -165,7 +198,7 @@ def diagonal_block(q, g, k_ref, g_ref, start, d_scores=None):
   zeros = jnp.zeros((size, width), jnp.float32)
   init = (jnp.zeros((size, size), jnp.float32),
           zeros if with_grads else None, zeros if with_grads else None)
-  return lax.fori_loop(0, size, key_row, init)
+  return lax.fori_loop(0, num_keys, key_row, init)
 
 
 def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
@@ -257,46 +290,65 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   )(*inputs)
 
 
-def chunk_spec(chunk: int, width: int, *, column_blocked: bool):
-  """Block of one chunk of a [B, S, H, D] array in the parallel passes
-  (grid: Dv block j, chunk c, batch b, head h): the program's Dv column
-  block (`column_blocked`, for v, o, dO) or all columns (q, k).
+def sequence_spec(rows: int, width: int, *, column_blocked: bool,
+                  programs_per_block: int = 1):
+  """Block of `rows` tokens of a [B, S, H, D] array in the parallel passes
+  (grid: Dv block j, row block i, batch b, head h).
 
-  Interpret mode clamps an out-of-range block index, Triton does not: q and
-  k must not follow the Dv block index.
+  programs_per_block: how many programs share the block (1 for the
+  program's own rows; `programs_per_chunk` for its whole chunk).
+  column_blocked: the program's Dv column block (v, o, dO), else all
+  columns (q, k). Interpret mode clamps an out-of-range block index, Triton
+  does not: q and k must not follow the Dv block index.
   """
-  if column_blocked:
-    return pl.BlockSpec((None, chunk, None, width),
-                        lambda j, c, b, h: (b, c, h, j))
-  return pl.BlockSpec((None, chunk, None, width),
-                      lambda j, c, b, h: (b, c, h, 0))
+  return pl.BlockSpec(
+      (None, rows, None, width),
+      lambda j, i, b, h: (b, i // programs_per_block, h,
+                          j if column_blocked else 0))
 
 
-def decay_chunk_spec(log_decay_cum, chunk: int):
+def decay_chunk_spec(log_decay_cum, schedule: ChunkedSchedule):
   """Block of one chunk of the cumulative log decays: [C] or [C, Dk]."""
+  chunk, shared = schedule.chunk_size, schedule.programs_per_chunk
   if log_decay_cum.ndim == 3:
-    return pl.BlockSpec((None, chunk, None), lambda j, c, b, h: (b, c, h))
+    return pl.BlockSpec((None, chunk, None),
+                        lambda j, i, b, h: (b, i // shared, h))
   return pl.BlockSpec((None, chunk, None, log_decay_cum.shape[3]),
-                      lambda j, c, b, h: (b, c, h, 0))
+                      lambda j, i, b, h: (b, i // shared, h, 0))
 
 
 def chunk_inputs(q, k, v, log_decay_cum, schedule: ChunkedSchedule):
-  """BlockSpecs and arrays of q, k, v (and the decays) for a per-chunk grid
-  (Dv block, chunk, batch, head), as the output and gradient passes read them."""
-  chunk, block_v = schedule.chunk_size, schedule.block_v
-  in_specs = [chunk_spec(chunk, q.shape[-1], column_blocked=False)] * 2 + [
-      chunk_spec(chunk, block_v, column_blocked=True)]
+  """BlockSpecs and arrays of q, k, v (and the decays), whole chunks, for a
+  parallel pass's grid (Dv block, row block, batch, head)."""
+  chunk, shared = schedule.chunk_size, schedule.programs_per_chunk
+  in_specs = [sequence_spec(chunk, q.shape[-1], column_blocked=False,
+                            programs_per_block=shared)] * 2 + [
+      sequence_spec(chunk, schedule.block_v, column_blocked=True,
+                    programs_per_block=shared)]
   inputs = [q, k, v]
   if log_decay_cum is not None:
-    in_specs.append(decay_chunk_spec(log_decay_cum, chunk))
+    in_specs.append(decay_chunk_spec(log_decay_cum, schedule))
     inputs.append(log_decay_cum)
   return in_specs, inputs
 
 
-def chunk_state_spec(d_feature: int, block_v: int):
+def row_spec(schedule: ChunkedSchedule, width: int, *, column_blocked: bool):
+  """Block of a program's own rows (outputs, dO)."""
+  return sequence_spec(schedule.rows_per_program, width,
+                       column_blocked=column_blocked)
+
+
+def chunk_state_spec(schedule: ChunkedSchedule, d_feature: int):
   """Block of one chunk's state [Dk, block_v] of [B, H, N, Dk, Dv]."""
-  return pl.BlockSpec((None, None, None, d_feature, block_v),
-                      lambda j, c, b, h: (b, h, c, 0, j))
+  shared = schedule.programs_per_chunk
+  return pl.BlockSpec((None, None, None, d_feature, schedule.block_v),
+                      lambda j, i, b, h: (b, h, i // shared, 0, j))
+
+
+def row_block_offset(chunk: int):
+  """First row, within its chunk, of this program's row block (vector kind)."""
+  block = pl.program_id(1) % (chunk // SUB_BLOCK)
+  return pl.multiple_of(block * SUB_BLOCK, SUB_BLOCK)
 
 
 def _dense_output(q_ref, k_ref, v_ref, g_ref, state_ref, o_ref, *, chunk,
@@ -311,27 +363,40 @@ def _dense_output(q_ref, k_ref, v_ref, g_ref, state_ref, o_ref, *, chunk,
   o_ref[...] = (scale * out).astype(o_ref.dtype)
 
 
+def causal_from(offset: int, size: int, chunk: int):
+  """[size, chunk] mask: key column <= query row, the queries being chunk
+  rows offset..offset+size-1."""
+  rows = offset + lax.broadcasted_iota(jnp.int32, (size, chunk), 0)
+  return lax.broadcasted_iota(jnp.int32, (size, chunk), 1) <= rows
+
+
 def _vector_output(q_ref, k_ref, v_ref, g_ref, state_ref, o_ref, *, chunk,
                    scale, mm):
-  """Output rows of one chunk ("vector" decay), one row block at a time
-  (chunk-wide tiles are re-read where used rather than held in registers)."""
+  """Output rows of one row block of a chunk ("vector" decay).
+
+  The block's queries meet the keys of earlier blocks on the tensor cores,
+  both sides rescaled to the row before the block (the anchor) so that both
+  factors are <= 1; the block's own keys join that dot when
+  `split_own_keys` allows, else they are summed elementwise.
+  """
   dtype = k_ref.dtype
+  offset = row_block_offset(chunk)
+  rows = pl.ds(offset, SUB_BLOCK)
+  q_b, g_b = q_ref[rows, :], g_ref[rows, :]
+  out = mm(scale_rows(q_b, g_b).astype(dtype), state_ref[...])
+  g_anchor = g_ref[jnp.maximum(offset - 1, 0), :][None, :]
+  by_dot = split_own_keys(g_ref, offset, g_anchor)
   key_rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-  for block in range(chunk // SUB_BLOCK):
-    offset = block * SUB_BLOCK
-    rows = pl.ds(offset, SUB_BLOCK)
-    q_b, g_b = q_ref[rows, :], g_ref[rows, :]
-    out = mm(scale_rows(q_b, g_b).astype(dtype), state_ref[...])
-    if block:  # keys of earlier blocks, rescaled to the row before (anchor)
-      g_anchor = g_ref[offset - 1, :][None, :]
-      k_earlier = masked_rescale(k_ref[...], g_anchor - g_ref[...],
-                                 key_rows < offset)
-      scores = mm(scale_rows(q_b, g_b - g_anchor).astype(dtype),
-                  k_earlier.astype(dtype), trans_b=True)
-      out += mm(scores.astype(dtype), v_ref[...])
-    scores, _, _ = diagonal_block(q_b, g_b, k_ref, g_ref, offset)
-    out += mm(scores.astype(dtype), v_ref[rows, :])
-    o_ref[rows, :] = (scale * out).astype(o_ref.dtype)
+  keys = masked_rescale(k_ref[...], g_anchor - g_ref[...],
+                        key_rows < offset + by_dot)
+  scores = mm(scale_rows(q_b, g_b - g_anchor).astype(dtype),
+              keys.astype(dtype), trans_b=True)
+  scores = jnp.where(causal_from(offset, SUB_BLOCK, chunk), scores, 0.0)
+  out += mm(scores.astype(dtype), v_ref[...])
+  scores, _, _ = diagonal_block(q_b, g_b, k_ref, g_ref, offset,
+                                SUB_BLOCK - by_dot)
+  out += mm(scores.astype(dtype), v_ref[rows, :])
+  o_ref[...] = (scale * out).astype(o_ref.dtype)
 
 
 def _output_kernel(*refs, schedule: ChunkedSchedule, fp32_exact: bool):
@@ -360,20 +425,21 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
   """
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
-  chunk, block_v = schedule.chunk_size, schedule.block_v
-  num_chunks = seq_len // chunk
+  block_v = schedule.block_v
   chunk_states, final_state = state_pass(k, v, log_decay_cum, initial_state,
                                          schedule, reverse=False)
   in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
-  in_specs.append(chunk_state_spec(d_feature, block_v))
+  in_specs.append(chunk_state_spec(schedule, d_feature))
   inputs.append(chunk_states)
   kernel = functools.partial(_output_kernel, schedule=schedule,
                              fp32_exact=q.dtype == jnp.float32)
   o = backend.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((batch, seq_len, heads, d_v),
                                              jnp.dtype(schedule.out_dtype)),
-      grid=(d_v // block_v, num_chunks, batch, heads), in_specs=in_specs,
-      out_specs=chunk_spec(chunk, block_v, column_blocked=True),
+      grid=(d_v // block_v, seq_len // schedule.rows_per_program, batch,
+            heads),
+      in_specs=in_specs,
+      out_specs=row_spec(schedule, block_v, column_blocked=True),
       num_warps=schedule.num_warps, num_stages=schedule.num_stages,
       interpret=schedule.interpret,
       name=f"linear_attention_fwd_{schedule.decay_kind}")(*inputs)
