@@ -27,7 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.bench_linear import SHAPES, _inputs  # noqa: E402
+from benchmarks.bench_linear import (  # noqa: E402
+    SHAPES, _fla_runner, _inputs, time_fla)
 from pallas_attn.kernels import backend  # noqa: E402
 from pallas_attn.kernels.linear.reference import (  # noqa: E402
     linear_attention_reference)
@@ -90,7 +91,8 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
     passes["scan_fwd"] = (lambda q, k, v, g: linear_attention_reference(
         q, k, v, log_decay=g, scale=scale)[0], (q, k, v, log_decay))
   row = {"impl": "ours", "shape": name, "seq_len": seq_len,
-         "schedule": str(schedule), "state_block": forward_lib.STATE_BLOCK}
+         "schedule": str(schedule), "state_block": forward_lib.STATE_BLOCK,
+         "sub_block": forward_lib.SUB_BLOCK}
   for key, (fn, args) in passes.items():
     try:
       row[key] = amortized_time_ms(fn, *args)
@@ -116,29 +118,15 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
 
 
 def profile_fla(name: str, seq_len: int, out: pathlib.Path) -> None:
-  import numpy as np
-  import torch
-  from fla.ops.gla import chunk_gla
-  from fla.ops.simple_gla import chunk_simple_gla
-  from triton.testing import do_bench
+  fla, missing = _fla_runner()
   heads, d_k, d_v, kind, scale = SHAPES[name]
-  args = _inputs(seq_len, heads, d_k, d_v, kind)
-  q, k, v, g, d_out = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda()
-                       for x in args)
-  q, k, v, d_out = (x.to(torch.bfloat16) for x in (q, k, v, d_out))
-  leaves = [x.requires_grad_() for x in (q, k, v, g)]
-  op = chunk_gla if kind == "vector" else chunk_simple_gla
-  forward = lambda: op(q, k, v, g, scale=scale)[0]
   row = {"impl": "fla", "shape": name, "seq_len": seq_len}
-  with torch.no_grad():
-    row["fwd"] = do_bench(forward, warmup=100, rep=500, return_mode="median")
-  print(f"  fla {name} fwd: {row['fwd']}", flush=True)
-  try:
-    row["fwd_bwd"] = do_bench(
-        lambda: torch.autograd.grad(forward(), leaves, d_out), warmup=100,
-        rep=500, return_mode="median")
-  except Exception as e:  # fla refuses some backwards on some Triton versions
-    row["fwd_bwd"] = f"{type(e).__name__}: {str(e)[:200]}"
+  if fla is None:
+    row["error"] = missing
+  else:
+    times = time_fla(fla, _inputs(seq_len, heads, d_k, d_v, kind), kind, scale)
+    row.update(fwd=times["fwd_ms"],
+               fwd_bwd=times.get("fwd_bwd_ms", times.get("fwd_bwd_error")))
   _record(out, row)
 
 
@@ -152,6 +140,9 @@ def main(argv=None) -> int:
   parser.add_argument("--state-block", type=int, default=None,
                       help="state-pass tile (STATE_BLOCK) to try instead of "
                            "the default")
+  parser.add_argument("--sub-block", type=int, default=None,
+                      help="vector-gate row block (SUB_BLOCK) to try instead "
+                           "of the default")
   parser.add_argument("--scan", action="store_true",
                       help="also time the lax.scan reference's forward")
   parser.add_argument("--configs", nargs="*", default=[],
@@ -161,6 +152,8 @@ def main(argv=None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   if args.state_block:
     forward_lib.STATE_BLOCK = args.state_block
+  if args.sub_block:
+    forward_lib.SUB_BLOCK = backward_lib.SUB_BLOCK = args.sub_block
   for name in args.shapes:
     for seq_len in args.seq:
       if not args.fla_only:
