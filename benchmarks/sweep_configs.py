@@ -1,9 +1,13 @@
 """Same-run sweeps behind the defaults: forward and backward tiles, and q-block order.
 
-Run on the GPU machine: `python benchmarks/sweep_configs.py [forward] [order] [backward]`.
+Run on the GPU machine:
+`python benchmarks/sweep_configs.py [forward] [order] [backward] [causal]`.
 Prints one line per measurement and writes $OUT/sweep.json (default /tmp/out).
 `order` compares the heaviest-first query-block order with the natural one by
 swapping `tiles.program_block` / `tiles.heaviest_first` for identity versions.
+`causal` times dense, causal and the Pallas reference's causal forward in
+interleaved rounds (one kernel's drift between runs reached ~15%, more than
+the margins of the causal targets), and reports per-round ratios.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import pallas_attn as pa
 from bench_forward import inputs
 from bench_masks import flex_peer
 from pallas_attn.kernels import tiles
-from pallas_attn.schedule.timing import amortized_time_ms, attention_flops
+from pallas_attn.schedule.timing import (amortized_time_ms, amortized_timer,
+                                         attention_flops)
 
 HEADS, D = 16, 128
 CAUSAL = lambda b, h, qi, ki: qi >= ki
@@ -46,6 +51,36 @@ def forward_and_backward(**kw):
     _, vjp = jax.vjp(lambda q, k, v: pa.attention(q, k, v, **kw), q, k, v)
     return vjp(d_out)
   return run
+
+
+def compare_causal(rounds: int = 5):
+  from jax.experimental.pallas.ops.gpu import attention as pallas_ref
+  for seq in (4096, 16384):
+    batch = 16384 // seq
+    q, k, v = inputs(batch, seq, HEADS, D, D)
+    kernels = {
+        "dense": lambda q, k, v: pa.attention(q, k, v),
+        "causal": lambda q, k, v: pa.attention(q, k, v, mask_mod=CAUSAL),
+        "pallas_ref_causal": lambda q, k, v: pallas_ref.mha(
+            q, k, v, None, sm_scale=D ** -0.5, causal=True),
+    }
+    flops = attention_flops(batch, HEADS, seq, seq, D, D)
+    timers = {name: amortized_timer(fn, q, k, v) for name, fn in kernels.items()}
+    times = {name: [] for name in kernels}
+    for _ in range(rounds):
+      for name, timer in timers.items():
+        ms = timer()
+        times[name].append(ms)
+        record(f"causal S={seq} {name}", ms, flops * (0.5 if "causal" in name else 1))
+    ratios = {
+        "causal_over_dense": [c / d for c, d in zip(times["causal"], times["dense"])],
+        "pallas_ref_over_causal": [r / c for r, c in
+                                   zip(times["pallas_ref_causal"], times["causal"])]}
+    for name, values in ratios.items():
+      values = sorted(values)
+      RESULTS.append(dict(name=f"causal S={seq} {name}", per_round=values))
+      print(f"S={seq} {name}: median {values[len(values) // 2]:.3f} "
+            f"range {values[0]:.3f}-{values[-1]:.3f}", flush=True)
 
 
 def sweep_forward():
@@ -99,7 +134,7 @@ def sweep_backward():
 if __name__ == "__main__":
   chosen = sys.argv[1:] or ["forward", "order", "backward"]
   for name, fn in (("forward", sweep_forward), ("order", compare_order),
-                   ("backward", sweep_backward)):
+                   ("backward", sweep_backward), ("causal", compare_causal)):
     if name in chosen:
       fn()
   out = os.environ.get("OUT", "/tmp/out")

@@ -73,16 +73,26 @@ def amortized_time_ms(fn: Callable, *args, warmup: int = 3, reps: int = 10,
   cannot merge them), sized so that the program takes about `target_ms`, and
   the median program time is divided by `copies`.
   """
+  return amortized_timer(fn, *args, target_ms=target_ms,
+                         max_copies=max_copies)(warmup=warmup, reps=reps)
+
+
+def amortized_timer(fn: Callable, *args, target_ms: float = 4.0,
+                    max_copies: int = 8) -> Callable[..., float]:
+  """Compiles `amortized_time_ms`'s program once and returns a function that
+  times it (keyword arguments warmup, reps), for interleaved repeats."""
   single = jax.jit(fn)
   jax.block_until_ready(single(*args))
   estimate = median_time_ms(lambda: single(*args), warmup=1, reps=3)
   copies = max(1, min(max_copies, math.ceil(target_ms / max(estimate, 1e-3))))
   if copies == 1:
-    return median_time_ms(lambda: single(*args), warmup=warmup, reps=reps)
+    return lambda warmup=3, reps=10: median_time_ms(
+        lambda: single(*args), warmup=warmup, reps=reps)
   arg_sets = [args] + [jax.tree.map(lambda a: a.copy(), args) for _ in range(copies - 1)]
   batched = jax.jit(lambda sets: [fn(*a) for a in sets])
   jax.block_until_ready(batched(arg_sets))
-  return median_time_ms(lambda: batched(arg_sets), warmup=warmup, reps=reps) / copies
+  return lambda warmup=3, reps=10: median_time_ms(
+      lambda: batched(arg_sets), warmup=warmup, reps=reps) / copies
 
 
 def mask_density(mask_mod: Callable | None, seq_q: int, seq_kv: int, *,
