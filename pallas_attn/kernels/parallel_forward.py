@@ -164,21 +164,26 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
   return out, stat, (row_stats[0] if row_stats else None)
 
 
-def block_mask_specs(arrays):
+def block_mask_specs(arrays, group: int | None = None):
   """BlockSpecs of the (num, indices) pairs of a block mask for grid (i, b, h).
 
   Counts are `[B|1, H|1, nq]`, indices `[B|1, H|1, nq, nk]`; a size-1 batch
-  or head axis is broadcast.
+  or head axis is broadcast. With `group` (the dk/dv grid, h a kv head), a
+  per-head mask gives each program the lists of its `group` query heads
+  (indexed by the head within the group in the kernel); a broadcast one
+  gives the single list.
   """
   specs = []
   for x in arrays:
     pick_b = (lambda b: b) if x.shape[0] > 1 else (lambda b: 0)
-    pick_h = (lambda h: h) if x.shape[1] > 1 else (lambda h: 0)
+    per_head = x.shape[1] > 1
+    pick_h = (lambda h: h) if per_head else (lambda h: 0)
+    heads = None if group is None else (group if per_head else 1)
     if x.ndim == 3:
       specs.append(pl.BlockSpec(
-          (None, None, 1), lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i)))
+          (None, heads, 1), lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i)))
     else:
       specs.append(pl.BlockSpec(
-          (None, None, None, x.shape[-1]),
+          (None, heads, None, x.shape[-1]),
           lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i, 0)))
   return specs

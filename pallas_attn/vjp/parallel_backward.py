@@ -291,29 +291,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _kv_major_specs(arrays, group: int):
-  """BlockSpecs of the kv-major tile lists for the dk/dv grid (i, b, kv head).
-
-  A per-head block mask gives each program the lists of its group's query
-  heads (indexed by the head within the group in the kernel); a broadcast
-  one (head extent 1) gives the single list.
-  """
-  specs = []
-  for x in arrays:
-    pick_b = (lambda b: b) if x.shape[0] > 1 else (lambda b: 0)
-    per_head = x.shape[1] > 1
-    heads = group if per_head else 1
-    pick_h = (lambda h: h) if per_head else (lambda h: 0)
-    if x.ndim == 3:
-      specs.append(pl.BlockSpec(
-          (None, heads, 1), lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i)))
-    else:
-      specs.append(pl.BlockSpec(
-          (None, heads, None, x.shape[-1]),
-          lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i, 0)))
-  return specs
-
-
 def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: BackwardPlan,
              config: AttentionConfig, interpret: bool):
   """Runs the dq and dk/dv kernels on padded inputs.
@@ -379,7 +356,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   dkv_in_specs += [tiles.capture_block_spec(op, x.shape, blocked="kv", block=bk, head_block=group)
                    for op, x in zip(plan.operands, capture_arrays)]
   kv_lists = () if block_mask is None else block_mask.kv_major(seq_kv_pad // bk)
-  dkv_in_specs += _kv_major_specs(kv_lists, group)
+  dkv_in_specs += block_mask_specs(kv_lists, group)
   key_uses = plan.uses_of(KEY)
   dkv_out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   dkv_out_shape += [jax.ShapeDtypeStruct(grad_shape[KEY], jnp.float32) for _ in key_uses]
