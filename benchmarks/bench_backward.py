@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_attn as pa
-from bench_forward import CAUSAL, cell, environment, fmt_tflops, inputs, time_fn
+from bench_forward import (CAUSAL, cell, environment, fmt_tflops, inputs, memory_bytes,
+                           time_fn)
 from pallas_attn.schedule.timing import attention_flops, mask_density
 
 WINDOW = 256
@@ -80,11 +81,6 @@ def alibi_with_slopes_gradient(heads):
     _, vjp = jax.vjp(attention, q, k, v, slopes)
     return vjp(d_out)
   return run
-
-
-def memory_bytes(fn, *args):
-  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-  return int(stats.temp_size_in_bytes + stats.output_size_in_bytes)
 
 
 def main(argv=None):

@@ -28,11 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.bench_linear import (  # noqa: E402
-    SHAPES, _fla_runner, _inputs, time_fla)
+    SHAPES, _fla_runner, _inputs, _jax_fns, _ours, _scan, time_fla)
 from pallas_attn.kernels import backend  # noqa: E402
-from pallas_attn.kernels.linear.reference import (  # noqa: E402
-    linear_attention_reference)
-from pallas_attn.linear import linear_attention  # noqa: E402
 from pallas_attn.schedule.config import LinearAttentionConfig  # noqa: E402
 from pallas_attn.schedule.timing import amortized_time_ms  # noqa: E402
 
@@ -56,25 +53,27 @@ def _schedule(kind: str, scale: float, seq_len: int, d_k: int, d_v: int):
       interpret=backend.resolve_interpret(None), out_dtype="bfloat16")
 
 
+def _time_into(row: dict, key: str, fn, args) -> None:
+  """row[key] = amortized ms of fn(*args), or the error (the profile goes on)."""
+  try:
+    row[key] = amortized_time_ms(fn, *args)
+  except Exception as e:
+    row[key] = f"{type(e).__name__}: {str(e)[:200]}"
+  print(f"  {row['shape']} {key}: {row[key]}", flush=True)
+
+
 def profile_ours(name: str, seq_len: int, out: pathlib.Path,
                  configs=(), scan: bool = False) -> None:
   heads, d_k, d_v, kind, scale = SHAPES[name]
   q, k, v, log_decay, d_out = _inputs(seq_len, heads, d_k, d_v, kind)
-  scale = scale or d_k ** -0.5
-  schedule = _schedule(kind, scale, seq_len, d_k, d_v)
+  schedule = _schedule(kind, scale or d_k ** -0.5, seq_len, d_k, d_v)
   g = forward_lib.chunk_cumulative_log_decay(log_decay, schedule.chunk_size)
   initial = jnp.zeros((q.shape[0], heads, d_k, d_v), jnp.float32)
-  attention = lambda q, k, v, g: linear_attention(q, k, v, log_decay=g,
-                                                  scale=scale)
-
-  def forward_backward(q, k, v, g, d_out):
-    o, vjp = jax.vjp(attention, q, k, v, g)
-    return vjp(d_out)
-
   _, _, states = jax.jit(forward_lib.chunked_forward, static_argnums=5)(
       q, k, v, g, initial, schedule)
+  forward, forward_backward = _jax_fns(_ours(scale))
   passes = {
-      "fwd": (attention, (q, k, v, log_decay)),
+      "fwd": (forward, (q, k, v, log_decay)),
       "fwd_bwd": (forward_backward, (q, k, v, log_decay, d_out)),
       "state_fwd": (lambda k, v, g, s: forward_lib.state_pass(
           k, v, g, s, schedule, reverse=False), (k, v, g, initial)),
@@ -88,32 +87,17 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
                            (q, k, v, g, states, d_out, initial)),
   }
   if scan:  # the token-by-token lax.scan reference, forward only
-    passes["scan_fwd"] = (lambda q, k, v, g: linear_attention_reference(
-        q, k, v, log_decay=g, scale=scale)[0], (q, k, v, log_decay))
+    passes["scan_fwd"] = (_scan(scale), (q, k, v, log_decay))
+  for config in configs:
+    key = "x".join(str(x) for x in dataclasses.astuple(config))
+    forward, forward_backward = _jax_fns(_ours(scale, config))
+    passes[f"fwd@{key}"] = (forward, (q, k, v, log_decay))
+    passes[f"fwd_bwd@{key}"] = (forward_backward, (q, k, v, log_decay, d_out))
   row = {"impl": "ours", "shape": name, "seq_len": seq_len,
          "schedule": str(schedule), "state_block": forward_lib.STATE_BLOCK,
          "sub_block": forward_lib.SUB_BLOCK}
   for key, (fn, args) in passes.items():
-    try:
-      row[key] = amortized_time_ms(fn, *args)
-    except Exception as e:  # one failing pass must not end the profile
-      row[key] = f"{type(e).__name__}: {str(e)[:200]}"
-    print(f"  {name} {key}: {row[key]}", flush=True)
-  for config in configs:
-    forward = lambda q, k, v, g: linear_attention(
-        q, k, v, log_decay=g, scale=scale, config=config)
-    def config_forward_backward(q, k, v, g, d_out):
-      o, vjp = jax.vjp(forward, q, k, v, g)
-      return vjp(d_out)
-    key = "x".join(str(x) for x in dataclasses.astuple(config))
-    for mode, fn, args in (("fwd", forward, (q, k, v, log_decay)),
-                           ("fwd_bwd", config_forward_backward,
-                            (q, k, v, log_decay, d_out))):
-      try:
-        row[f"{mode}@{key}"] = amortized_time_ms(fn, *args)
-      except Exception as e:
-        row[f"{mode}@{key}"] = f"{type(e).__name__}: {str(e)[:200]}"
-      print(f"  {name} {mode}@{key}: {row[f'{mode}@{key}']}", flush=True)
+    _time_into(row, key, fn, args)
   _record(out, row)
 
 

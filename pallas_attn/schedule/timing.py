@@ -85,14 +85,13 @@ def amortized_timer(fn: Callable, *args, target_ms: float = 4.0,
   jax.block_until_ready(single(*args))
   estimate = median_time_ms(lambda: single(*args), warmup=1, reps=3)
   copies = max(1, min(max_copies, math.ceil(target_ms / max(estimate, 1e-3))))
-  if copies == 1:
-    return lambda warmup=3, reps=10: median_time_ms(
-        lambda: single(*args), warmup=warmup, reps=reps)
-  arg_sets = [args] + [jax.tree.map(lambda a: a.copy(), args) for _ in range(copies - 1)]
-  batched = jax.jit(lambda sets: [fn(*a) for a in sets])
-  jax.block_until_ready(batched(arg_sets))
-  return lambda warmup=3, reps=10: median_time_ms(
-      lambda: batched(arg_sets), warmup=warmup, reps=reps) / copies
+  run = lambda: single(*args)
+  if copies > 1:
+    arg_sets = [args] + [jax.tree.map(lambda a: a.copy(), args) for _ in range(copies - 1)]
+    batched = jax.jit(lambda sets: [fn(*a) for a in sets])
+    jax.block_until_ready(batched(arg_sets))
+    run = lambda: batched(arg_sets)
+  return lambda warmup=3, reps=10: median_time_ms(run, warmup=warmup, reps=reps) / copies
 
 
 def mask_density(mask_mod: Callable | None, seq_q: int, seq_kv: int, *,
