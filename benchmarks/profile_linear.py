@@ -94,7 +94,7 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
     passes[f"fwd@{key}"] = (forward, (q, k, v, log_decay))
     passes[f"fwd_bwd@{key}"] = (forward_backward, (q, k, v, log_decay, d_out))
   row = {"impl": "ours", "shape": name, "seq_len": seq_len,
-         "schedule": str(schedule), "state_block": forward_lib.STATE_BLOCK,
+         "schedule": str(schedule), "state_tile": forward_lib.STATE_TILE,
          "sub_block": forward_lib.SUB_BLOCK}
   for key, (fn, args) in passes.items():
     _time_into(row, key, fn, args)
@@ -121,9 +121,9 @@ def main(argv=None) -> int:
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
   parser.add_argument("--fla-only", action="store_true")
   parser.add_argument("--no-fla", action="store_true")
-  parser.add_argument("--state-block", type=int, default=None,
-                      help="state-pass tile (STATE_BLOCK) to try instead of "
-                           "the default")
+  parser.add_argument("--state-tile", type=int, default=None,
+                      help="state elements per state-pass program "
+                           "(STATE_TILE) to try instead of the default")
   parser.add_argument("--sub-block", type=int, default=None,
                       help="vector-gate row block (SUB_BLOCK) to try instead "
                            "of the default")
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
                            "warps x stages, e.g. 64x128x4x2")
   args = parser.parse_args(argv)
   args.out.mkdir(parents=True, exist_ok=True)
-  if args.state_block:
-    forward_lib.STATE_BLOCK = args.state_block
+  if args.state_tile:
+    forward_lib.STATE_TILE = args.state_tile
   if args.sub_block:
     forward_lib.SUB_BLOCK = backward_lib.SUB_BLOCK = args.sub_block
   for name in args.shapes:

@@ -59,7 +59,10 @@ class LinearAttentionConfig:
   """Tiles of the chunked-recurrent (linear attention) templates.
 
   chunk_size: tokens per chunk (intra-chunk part runs as dense matmuls);
-  block_v: Dv columns per program; num_warps / num_stages as above.
+  block_v: Dv columns per program; num_warps / num_stages as above. These
+  tile the parallel (output and gradient) passes; the sequential state pass
+  sizes its own tiles and stages from the shape (`state_tile`,
+  `state_pass_stages` in kernels/linear/chunked_forward.py).
   """
   chunk_size: int = 64
   block_v: int = 64
