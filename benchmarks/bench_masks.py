@@ -56,6 +56,15 @@ def build_ms(mask_mod, batch, seq):
   return (time.perf_counter() - start) / 10 * 1e3
 
 
+def _flex_masks(torch, seq):
+  """FlexAttention mask_mods matching this file's masks (documents as in `documents`)."""
+  ids = torch.arange(seq, device="cuda") * 8 // seq
+  return {"causal": lambda b, h, qi, ki: qi >= ki,
+          "sliding_window_256": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 256),
+          "sliding_window_1024": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 1024),
+          "documents_8": lambda b, h, qi, ki: (ids[qi] == ids[ki]) & (qi >= ki)}
+
+
 def flex_peer(batch, seq, variant):
   """FlexAttention forward ms for a named variant, or None if torch is unavailable."""
   try:
@@ -67,8 +76,7 @@ def flex_peer(batch, seq, variant):
   dev = "cuda"
   q, k, v = (torch.randn(batch, HEADS, seq, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
   slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, device=dev) / HEADS)
-  masks = {"causal": lambda b, h, qi, ki: qi >= ki,
-           "sliding_window_256": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 256)}
+  masks = _flex_masks(torch, seq)
   score_mods = {"softcap": lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0),
                 "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)}
   block_mask = (create_block_mask(masks[variant], None, None, seq, seq, device=dev)
@@ -80,16 +88,57 @@ def flex_peer(batch, seq, variant):
   return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
 
 
+def flex_build_ms(seq, variant, reps=10):
+  """Milliseconds of FlexAttention's `create_block_mask` (B=H=None, as ours
+  builds a capture-free mask once; the document mask reads a captured id
+  tensor), eager and with `_compile=True`; None without torch."""
+  try:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+  except Exception:
+    return None
+  mask = _flex_masks(torch, seq)[variant]
+  times = {}
+  for name, compile_ in (("eager", False), ("compiled", True)):
+    build = lambda: create_block_mask(mask, None, None, seq, seq, device="cuda",
+                                      _compile=compile_)
+    build()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+      build()
+    torch.cuda.synchronize()
+    times[name] = (time.perf_counter() - start) / reps * 1e3
+  return times
+
+
+def cudnn_peer(variant):
+  """`jax.nn.dot_product_attention(implementation="cudnn")` keywords for the
+  variants cuDNN expresses (bottom-right windows of `local_window_size`), else None."""
+  windows = {"sliding_window_256": 256, "sliding_window_1024": 1024}
+  if variant == "vanilla":
+    return {}
+  if variant == "causal":
+    return dict(is_causal=True)
+  if variant in windows:
+    return dict(is_causal=True, local_window_size=(windows[variant] - 1, 0))
+  return None
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--parts", nargs="+", default=["causal", "window", "build", "peers"],
+                      help="which sections to run (a device call may not fit all)")
+  parser.add_argument("--variants", nargs="+", default=None,
+                      help="peer variants to run (default: all)")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   results = {"environment": environment(), "causal": [], "window": [], "peers": [],
              "build_ms": {}, "errors": []}
   from jax.experimental.pallas.ops.gpu import attention as pallas_ref
 
-  for seq in (4096, 8192, 16384):
+  for seq in (4096, 8192, 16384) if "causal" in args.parts else ():
     batch = 16384 // seq
     q, k, v = inputs(batch, seq, HEADS, D, D)
     dense_ms, _ = time_fn(lambda q, k, v: pa.attention(q, k, v), q, k, v)
@@ -105,14 +154,21 @@ def main(argv=None):
 
   seq = 16384
   q, k, v = inputs(1, seq, HEADS, D, D)
-  for size in (256, 1024):
+  for size in (256, 1024) if "window" in args.parts else ():
     ms, err = time_fn(lambda q, k, v: pa.attention(q, k, v, mask_mod=window(size)), q, k, v)
     results["window"].append(dict(seq=seq, window=size, ms=ms))
     if err:
       results["errors"].append(f"window {size}: {err}")
-  _, doc_mask = documents(1, seq, 8)
-  results["build_ms"] = {"causal_16k": build_ms(causal, 1, seq),
-                         "documents8_16k": build_ms(doc_mask, 1, seq)}
+  if "build" in args.parts:
+    _, doc_mask = documents(1, seq, 8)
+    results["build_ms"] = {"causal_16k": build_ms(causal, 1, seq),
+                           "documents8_16k": build_ms(doc_mask, 1, seq)}
+    for name in ("causal", "documents_8"):
+      try:
+        results["build_ms"][f"flex_{name}_16k"] = flex_build_ms(seq, name)
+      except Exception as e:
+        results["errors"].append(f"flex build {name}: {type(e).__name__}: {str(e)[:200]}")
+    print(json.dumps(results["build_ms"]), flush=True)
 
   batch, seq = 4, 4096
   q, k, v = inputs(batch, seq, HEADS, D, D)
@@ -124,21 +180,31 @@ def main(argv=None):
       "softcap": dict(score_mod=lambda s, b, h, qi, ki: 30.0 * jnp.tanh(s / 30.0)),
       "alibi": dict(score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)),
       "sliding_window_256": dict(mask_mod=window(256)),
+      "sliding_window_1024": dict(mask_mod=window(1024)),
       "documents_8": dict(mask_mod=doc4),
   }
   for name, kw in variants.items():
+    if "peers" not in args.parts or (args.variants and name not in args.variants):
+      continue
     flops = attention_flops(batch, HEADS, seq, seq, D, D, density=density(kw.get("mask_mod"), seq))
     if "mask_mod" in kw:  # built once and reused, as FlexAttention's block masks are
       kw = dict(kw, block_mask=pa.block_mask(kw["mask_mod"], batch, HEADS, seq, seq))
     ours, err = time_fn(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
     dense_kw = {key: val for key, val in kw.items() if key != "block_mask"}
     xla, _ = time_fn(lambda q, k, v: pa.attention_reference(q, k, v, **dense_kw), q, k, v)
+    cudnn_kw, cudnn = cudnn_peer(name), None
+    if cudnn_kw is not None:
+      cudnn, cudnn_err = time_fn(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", **cudnn_kw), q, k, v)
+      if cudnn_err:
+        results["errors"].append(f"cudnn {name}: {cudnn_err}")
     try:
-      flex = flex_peer(batch, seq, name) if name != "documents_8" else None
+      flex = flex_peer(batch, seq, name)
     except Exception as e:
       flex = None
       results["errors"].append(f"flex {name}: {type(e).__name__}: {str(e)[:200]}")
-    row = dict(variant=name, flops=flops, ours_ms=ours, xla_ms=xla, flex_ms=flex)
+    row = dict(variant=name, flops=flops, ours_ms=ours, xla_ms=xla, flex_ms=flex,
+               cudnn_ms=cudnn)
     if err:
       results["errors"].append(f"ours {name}: {err}")
     results["peers"].append(row)
@@ -174,11 +240,11 @@ def print_table(results):
     print(f"  sliding window {r['window']:>4} at S={r['seq']}: {_ms(r['ms'])} ms")
   print(f"  block mask build ms: {results['build_ms']}")
   print("B4 H16 S4096 d128 forward TFLOP/s (masked FLOPs not counted)")
-  print(f"  {'variant':<20} {'ours':>6} {'flex':>6} {'xla':>6} {'ours/flex':>9}")
+  print(f"  {'variant':<20} {'ours':>6} {'flex':>6} {'cudnn':>6} {'xla':>6} {'ours/flex':>9}")
   for r in results["peers"]:
     print(f"  {r['variant']:<20} {_tf(r['flops'], r['ours_ms']):>6} "
-          f"{_tf(r['flops'], r['flex_ms']):>6} {_tf(r['flops'], r['xla_ms']):>6} "
-          f"{_ratio(r['flex_ms'], r['ours_ms']):>9}")
+          f"{_tf(r['flops'], r['flex_ms']):>6} {_tf(r['flops'], r.get('cudnn_ms')):>6} "
+          f"{_tf(r['flops'], r['xla_ms']):>6} {_ratio(r['flex_ms'], r['ours_ms']):>9}")
   for e in results["errors"]:
     print("  error:", e)
 
