@@ -5,8 +5,10 @@ flash-linear-attention's.
 
 For each benchmark shape of `bench_linear` it times (one call amortized in a
 jitted program, `schedule.timing.amortized_time_ms`) the whole forward and
-forward+backward, then each pass alone: the forward state pass, the output
-pass, the reverse state pass, the gradient pass. flash-linear-attention
+forward+backward, then each step alone: the within-chunk cumulative sum of
+the log decays (XLA, before the kernels), the forward state pass, the
+forward's kernels together, the reverse state pass, the backward's kernels
+together. flash-linear-attention
 (`chunk_gla` / `chunk_simple_gla`) is timed with `triton.testing.do_bench`
 (asynchronous launches, as a training step runs them). Appends JSON lines
 to DIR/profile_linear.jsonl as each number arrives (fla autotunes for
@@ -75,6 +77,8 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
   passes = {
       "fwd": (forward, (q, k, v, log_decay)),
       "fwd_bwd": (forward_backward, (q, k, v, log_decay, d_out)),
+      "decay_cumsum": (lambda ld: forward_lib.chunk_cumulative_log_decay(
+          ld, schedule.chunk_size), (log_decay,)),
       "state_fwd": (lambda k, v, g, s: forward_lib.state_pass(
           k, v, g, s, schedule, reverse=False), (k, v, g, initial)),
       "chunked_forward": (lambda q, k, v, g, s: forward_lib.chunked_forward(
@@ -149,8 +153,8 @@ def main(argv=None) -> int:
   rows = [json.loads(line) for line in
           open(args.out / "profile_linear.jsonl")]
   print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}; ms per call")
-  keys = ["fwd", "fwd_bwd", "state_fwd", "chunked_forward", "state_bwd",
-          "chunked_backward", "scan_fwd"]
+  keys = ["fwd", "fwd_bwd", "decay_cumsum", "state_fwd", "chunked_forward",
+          "state_bwd", "chunked_backward", "scan_fwd"]
   print(f"{'impl':5} {'shape':26} {'S':>6} " + " ".join(f"{k:>16}" for k in keys))
   for row in rows:
     cells = [row.get(k) for k in keys]
