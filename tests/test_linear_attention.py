@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_attn.kernels.linear.chunked_forward import state_tile
 from pallas_attn.kernels.linear.reference import (
     chunked_linear_attention_jnp, linear_attention_reference)
 from pallas_attn.linear import linear_attention, linear_attention_step
@@ -264,10 +265,11 @@ def test_several_value_blocks_and_default_chunk(interpret):
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("kind", ["scalar", "vector"])
 def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
-  """Dk = 128 and Dv = 80 (padded to 128): the state passes run 2 x 2 tiles
-  of 64 x 64 per head, forwards and in reverse."""
+  """Dk = 128 and Dv = 200 (padded to 256): the state passes run 2 x 2 tiles
+  of 64 x 128 per head, forwards and in reverse (`state_tile`)."""
   _skip_without_gpu(interpret)
-  d_k, d_v = 128, 80
+  d_k, d_v = 128, 200
+  assert state_tile(d_k, 256) == (64, 128)
   shape = (1, S, 1)
   q, k = _normal(40, shape + (d_k,)), _normal(41, shape + (d_k,))
   v = _normal(42, shape + (d_v,))
