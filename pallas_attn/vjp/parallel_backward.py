@@ -314,6 +314,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   launch = functools.partial(backend.pallas_call, num_warps=config.num_warps,
                              num_stages=config.num_stages, interpret=interpret)
 
+  num_q_blocks = seq_q_pad // bq
   dq_in_specs = [
       pl.BlockSpec((None, bq, None, d_qk), lambda i, b, h: (b, i, h, 0)),
       pl.BlockSpec((None, seq_kv_pad, None, d_qk), lambda i, b, h: (b, 0, h // group, 0)),
@@ -324,7 +325,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
     dq_in_specs.append(pl.BlockSpec((None, None, rows.shape[2], bq), lambda i, b, h: (b, h, 0, i)))
   dq_in_specs += [tiles.capture_block_spec(op, x.shape, blocked="q", block=bq)
                   for op, x in zip(plan.operands, capture_arrays)]
-  q_lists = () if block_mask is None else block_mask.q_major(seq_q_pad // bq)
+  q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
   dq_in_specs += block_mask_specs(q_lists)
   dq_uses = plan.uses_of(ROW) + plan.uses_of(TILE)
   dq_out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -335,7 +336,6 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
     dq_out_specs.append(
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)) if kind == ROW else
         pl.BlockSpec((None, None, bq, seq_kv_pad), lambda i, b, h: (b, h, i, 0)))
-  num_q_blocks = seq_q_pad // bq
   dq, *dq_grads = launch(
       functools.partial(_dq_kernel, plan=plan), out_shape=dq_out_shape,
       grid=(num_q_blocks, batch, heads),
