@@ -16,6 +16,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room fo
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_attn as pa
 from bench_forward import environment, inputs, time_fn
@@ -57,8 +58,8 @@ def build_ms(mask_mod, batch, seq):
 
 
 def _flex_masks(torch, seq):
-  """FlexAttention mask_mods matching this file's masks (documents as in `documents`)."""
-  ids = torch.arange(seq, device="cuda") * 8 // seq
+  """FlexAttention mask_mods matching this file's masks (8 documents, `documents`' ids)."""
+  ids = torch.from_numpy(np.asarray(documents(1, seq, 8)[0][0])).cuda()
   return {"causal": lambda b, h, qi, ki: qi >= ki,
           "sliding_window_256": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 256),
           "sliding_window_1024": lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 1024),
