@@ -37,8 +37,8 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
     SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_inputs,
     causal_from, chunk_state_spec, chunked_forward, dense_decay,
-    diagonal_block, masked_rescale, row_block_offset, row_spec, scale_rows,
-    sequence_spec, split_own_keys, state_pass)
+    diagonal_block, keys_to_anchor, masked_rescale, row_block_offset,
+    row_spec, scale_rows, sequence_spec, state_pass)
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
@@ -76,8 +76,7 @@ def _vector_chunk_grads(refs, *, chunk, scale, mm):
   chunk_rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
   q_b, k_b, v_b = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
   do_b, g_b = do_ref[rows, :], g_ref[rows, :]
-  g_before = g_ref[jnp.maximum(offset - 1, 0), :][None, :]
-  by_dot = split_own_keys(g_ref, offset, g_before)
+  g_before, by_dot, keys = keys_to_anchor(k_ref, g_ref, offset, chunk)
   scores, dq_b, dk_b = diagonal_block(
       q_b, g_b, k_ref, g_ref, offset, SUB_BLOCK - by_dot,
       mm(do_b, v_b, trans_b=True))
@@ -85,11 +84,9 @@ def _vector_chunk_grads(refs, *, chunk, scale, mm):
   dk_b *= scale
   dv_b = scale * mm(scores.astype(dtype).T, do_b)
   # This block's queries, keys of earlier blocks (and its own, by_dot).
-  keys = masked_rescale(k_ref[...], g_before - g_ref[...],
-                        chunk_rows < offset + by_dot)
   causal = causal_from(offset, SUB_BLOCK, chunk)
   d_scores = jnp.where(causal, mm(do_b, v_ref[...], trans_b=True), 0.0)
-  dq_b += scale_rows(mm(d_scores.astype(dtype), keys.astype(dtype)),
+  dq_b += scale_rows(mm(d_scores.astype(dtype), keys),
                      g_b - g_before)
   # This block's keys, queries of later blocks (and its own, by_dot).
   g_after = g_ref[offset + SUB_BLOCK - 1, :][None, :]

@@ -168,6 +168,22 @@ def split_own_keys(g_ref, offset, g_anchor):
   return SUB_BLOCK * (span <= SPLIT_SPAN).astype(jnp.int32)
 
 
+def keys_to_anchor(k_ref, g_ref, offset, chunk: int):
+  """The chunk's keys rescaled to the row before the row block at `offset`
+  (its anchor), for that block's queries on the tensor cores.
+
+  Returns (anchor log decay [1, Dk], `split_own_keys`' count, keys [C, Dk]
+  in k's dtype): keys of earlier rows, and the block's own where the split
+  is taken, times exp(g_anchor - g_j) <= 1; the other rows are zero.
+  """
+  g_anchor = g_ref[jnp.maximum(offset - 1, 0), :][None, :]
+  by_dot = split_own_keys(g_ref, offset, g_anchor)
+  key_rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+  keys = masked_rescale(k_ref[...], g_anchor - g_ref[...],
+                        key_rows < offset + by_dot)
+  return g_anchor, by_dot, keys.astype(k_ref.dtype)
+
+
 def diagonal_block(q, g, k_ref, g_ref, start, num_keys, d_scores=None):
   """Vector-decay scores of a row block against its own keys, elementwise.
 
@@ -434,13 +450,9 @@ def _vector_output(q_ref, k_ref, v_ref, g_ref, state_ref, o_ref, *, chunk,
   rows = pl.ds(offset, SUB_BLOCK)
   q_b, g_b = q_ref[rows, :], g_ref[rows, :]
   out = mm(scale_rows(q_b, g_b).astype(dtype), state_ref[...])
-  g_anchor = g_ref[jnp.maximum(offset - 1, 0), :][None, :]
-  by_dot = split_own_keys(g_ref, offset, g_anchor)
-  key_rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-  keys = masked_rescale(k_ref[...], g_anchor - g_ref[...],
-                        key_rows < offset + by_dot)
-  scores = mm(scale_rows(q_b, g_b - g_anchor).astype(dtype),
-              keys.astype(dtype), trans_b=True)
+  g_anchor, by_dot, keys = keys_to_anchor(k_ref, g_ref, offset, chunk)
+  scores = mm(scale_rows(q_b, g_b - g_anchor).astype(dtype), keys,
+              trans_b=True)
   scores = jnp.where(causal_from(offset, SUB_BLOCK, chunk), scores, 0.0)
   out += mm(scores.astype(dtype), v_ref[...])
   scores, _, _ = diagonal_block(q_b, g_b, k_ref, g_ref, offset,
