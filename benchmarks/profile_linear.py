@@ -6,7 +6,8 @@ flash-linear-attention's.
 For each benchmark shape of `bench_linear` it times (one call amortized in a
 jitted program, `schedule.timing.amortized_time_ms`) the whole forward and
 forward+backward, then each step alone: the within-chunk cumulative sum of
-the log decays (XLA, before the kernels), the forward state pass, the
+the log decays (our Pallas pass before the kernels, and XLA's cumsum that it
+replaced), the forward state pass, the
 forward's kernels together, the reverse state pass, the backward's kernels
 together. flash-linear-attention
 (`chunk_gla` / `chunk_simple_gla`) is timed with `triton.testing.do_bench`
@@ -32,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.bench_linear import (  # noqa: E402
     SHAPES, _fla_runner, _inputs, _jax_fns, _ours, _scan, time_fla)
 from pallas_attn.kernels import backend  # noqa: E402
+from pallas_attn.kernels.linear import reference  # noqa: E402
 from pallas_attn.schedule.config import LinearAttentionConfig  # noqa: E402
 from pallas_attn.schedule.timing import amortized_time_ms  # noqa: E402
 
@@ -69,7 +71,8 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
   heads, d_k, d_v, kind, scale = SHAPES[name]
   q, k, v, log_decay, d_out = _inputs(seq_len, heads, d_k, d_v, kind)
   schedule = _schedule(kind, scale or d_k ** -0.5, seq_len, d_k, d_v)
-  g = forward_lib.chunk_cumulative_log_decay(log_decay, schedule.chunk_size)
+  g = forward_lib.chunk_cumulative_log_decay(
+      log_decay, schedule.chunk_size, interpret=schedule.interpret)
   initial = jnp.zeros((q.shape[0], heads, d_k, d_v), jnp.float32)
   _, _, states = jax.jit(forward_lib.chunked_forward, static_argnums=5)(
       q, k, v, g, initial, schedule)
@@ -78,6 +81,8 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
       "fwd": (forward, (q, k, v, log_decay)),
       "fwd_bwd": (forward_backward, (q, k, v, log_decay, d_out)),
       "decay_cumsum": (lambda ld: forward_lib.chunk_cumulative_log_decay(
+          ld, schedule.chunk_size, interpret=False), (log_decay,)),
+      "decay_cumsum_xla": (lambda ld: reference.chunk_cumulative_log_decay(
           ld, schedule.chunk_size), (log_decay,)),
       "state_fwd": (lambda k, v, g, s: forward_lib.state_pass(
           k, v, g, s, schedule, reverse=False), (k, v, g, initial)),

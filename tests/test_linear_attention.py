@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn.kernels.linear.chunked_forward import state_tile
+from pallas_attn.kernels.linear import reference
+from pallas_attn.kernels.linear.chunked_forward import (
+    chunk_cumulative_log_decay, state_tile)
 from pallas_attn.kernels.linear.reference import (
     chunked_linear_attention_jnp, linear_attention_reference)
 from pallas_attn.linear import linear_attention, linear_attention_step
@@ -290,6 +292,16 @@ def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
   grads_ref = _grads(ref, args, (0, 1, 2, 3, 4), v.shape, state.shape)
   for name, g, g_ref in zip(names, grads, grads_ref):
     assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32], name)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("kind", ["scalar", "vector"])
+def test_chunk_cumulative_log_decay_matches_jnp(kind, interpret):
+  """The decay-prefix kernel against the jnp cumsum, four chunks."""
+  _skip_without_gpu(interpret)
+  log_decay = _log_decay(kind, 50, seq_len=4 * CHUNK, strength=5.0)
+  assert_close(chunk_cumulative_log_decay(log_decay, CHUNK, interpret=interpret),
+               reference.chunk_cumulative_log_decay(log_decay, CHUNK), 1e-6)
 
 
 @pytest.mark.parametrize("kind", ["scalar", "vector"])

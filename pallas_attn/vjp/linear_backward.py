@@ -187,7 +187,8 @@ def chunked_linear_attention(q, k, v, log_decay, initial_state,
 def _cumulative(log_decay, schedule: ChunkedSchedule):
   if log_decay is None:
     return None
-  return chunk_cumulative_log_decay(log_decay, schedule.chunk_size)
+  return chunk_cumulative_log_decay(log_decay, schedule.chunk_size,
+                                    interpret=schedule.interpret)
 
 
 def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):

@@ -112,15 +112,42 @@ def heuristic_linear_config(seq_len: int, d_feature: int,
       num_warps=4, num_stages=2)
 
 
-def chunk_cumulative_log_decay(log_decay, chunk_size: int):
-  """Inclusive cumulative sums of `log_decay` ([B, S, H, ...]) within chunks,
-  in base 2 (the kernels' `g`: a decay factor is exp2 of a difference)."""
-  batch, seq_len = log_decay.shape[:2]
-  chunks = log_decay.astype(jnp.float32).reshape(
-      batch, seq_len // chunk_size, chunk_size, *log_decay.shape[2:])
+def _cumulative_decay_kernel(log_decay_ref, g_ref):
   # Scaled per step, before the sum: rounding stays relative to each step,
   # not to the (large, cancelling) cumulative values.
-  return jnp.cumsum(chunks * LOG2E, axis=2).reshape(log_decay.shape)
+  steps = log_decay_ref[...].astype(jnp.float32) * LOG2E
+  g_ref[...] = lax.cumsum(steps, axis=0)
+
+
+def chunk_cumulative_log_decay(log_decay, chunk_size: int, *,
+                               interpret: bool):
+  """Inclusive cumulative sums of `log_decay` ([B, S, H] or [B, S, H, Dk])
+  within chunks, in base 2 (the kernels' `g`: a decay factor is exp2 of a
+  difference), as float32.
+
+  Each program reads a [C, Dk] chunk of one head (vector gates) or a [C,
+  heads] chunk of up to 128 heads (scalar decays: contiguous rows, not one
+  strided column per head) once and writes it once. XLA lowers a cumsum on
+  the GPU to a reduce-window, several passes over the data; the jnp
+  version is `reference.chunk_cumulative_log_decay`.
+  """
+  batch, seq_len, heads = log_decay.shape[:3]
+  num_chunks = seq_len // chunk_size
+  if log_decay.ndim == 4:
+    block = pl.BlockSpec((None, chunk_size, None, log_decay.shape[3]),
+                         lambda b, c, h: (b, c, h, 0))
+    grid, num_warps = (batch, num_chunks, heads), 4
+  else:
+    head_block = min(heads & -heads, 128)  # the largest power of two dividing H
+    block = pl.BlockSpec((None, chunk_size, head_block),
+                         lambda b, c, h: (b, c, h))
+    grid, num_warps = (batch, num_chunks, heads // head_block), 1
+  return backend.pallas_call(
+      _cumulative_decay_kernel,
+      out_shape=jax.ShapeDtypeStruct(log_decay.shape, jnp.float32),
+      grid=grid, in_specs=[block], out_specs=block, num_warps=num_warps,
+      num_stages=1, interpret=interpret,
+      name="linear_attention_decay_cumsum")(log_decay)
 
 
 def scale_rows(x, log_factor):

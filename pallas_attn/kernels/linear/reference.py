@@ -8,6 +8,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_attn.kernels.online import LOG2E
+
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -66,6 +68,15 @@ def linear_attention_reference(q, k, v, *, log_decay=None, q_mod=None,
   if normalize:
     state = jnp.concatenate([state, norm[..., None]], axis=-1)
   return jnp.moveaxis(o, 0, 1), state
+
+
+def chunk_cumulative_log_decay(log_decay, chunk_size: int):
+  """jnp version of `chunked_forward.chunk_cumulative_log_decay`: base-2
+  inclusive cumulative sums of the step log decays within chunks."""
+  batch, seq_len = log_decay.shape[:2]
+  chunks = log_decay.astype(jnp.float32).reshape(
+      batch, seq_len // chunk_size, chunk_size, *log_decay.shape[2:])
+  return jnp.cumsum(chunks * LOG2E, axis=2).reshape(log_decay.shape)
 
 
 def chunked_linear_attention_jnp(q, k, v, *, log_decay=None, scale=None,
