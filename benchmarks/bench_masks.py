@@ -113,16 +113,31 @@ def flex_build_ms(seq, variant, reps=10):
   return times
 
 
-def cudnn_peer(variant):
+def cudnn_peer(variant, batch, seq):
   """`jax.nn.dot_product_attention(implementation="cudnn")` keywords for the
-  variants cuDNN expresses (bottom-right windows of `local_window_size`), else None."""
+  variants cuDNN expresses, as (static keywords, array keywords), else None.
+
+  Windows are bottom-right `local_window_size`s. ALiBi and the document mask
+  have no cuDNN mask type: they go in as a dense [1, H, S, S] bias and a
+  dense [B, 1, S, S] mask (read in full, no block skipping), which is how a
+  cuDNN user would express them.
+  """
   windows = {"sliding_window_256": 256, "sliding_window_1024": 1024}
   if variant == "vanilla":
-    return {}
+    return {}, {}
   if variant == "causal":
-    return dict(is_causal=True)
+    return dict(is_causal=True), {}
   if variant in windows:
-    return dict(is_causal=True, local_window_size=(windows[variant] - 1, 0))
+    return dict(is_causal=True, local_window_size=(windows[variant] - 1, 0)), {}
+  positions = jnp.arange(seq, dtype=jnp.int32)
+  if variant == "alibi":
+    distance = (positions[None, :] - positions[:, None]).astype(jnp.float32)
+    bias = pa.variants.alibi_slopes(HEADS)[:, None, None] * distance
+    return {}, dict(bias=bias[None].astype(jnp.bfloat16))
+  if variant == "documents_8":
+    ids, _ = documents(batch, seq, 8)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    return dict(is_causal=True), dict(mask=same)
   return None
 
 
@@ -173,7 +188,7 @@ def main(argv=None):
 
   batch, seq = 4, 4096
   q, k, v = inputs(batch, seq, HEADS, D, D)
-  slopes = 2.0 ** (-8.0 * jnp.arange(1, HEADS + 1) / HEADS)
+  slopes = pa.variants.alibi_slopes(HEADS)
   _, doc4 = documents(batch, seq, 8)
   variants = {
       "vanilla": {},
@@ -193,10 +208,11 @@ def main(argv=None):
     ours, err = time_fn(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
     dense_kw = {key: val for key, val in kw.items() if key != "block_mask"}
     xla, _ = time_fn(lambda q, k, v: pa.attention_reference(q, k, v, **dense_kw), q, k, v)
-    cudnn_kw, cudnn = cudnn_peer(name), None
-    if cudnn_kw is not None:
-      cudnn, cudnn_err = time_fn(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, implementation="cudnn", **cudnn_kw), q, k, v)
+    peer, cudnn = cudnn_peer(name, batch, seq), None
+    if peer is not None:
+      static_kw, array_kw = peer  # arrays as arguments, not jit constants
+      cudnn, cudnn_err = time_fn(lambda q, k, v, arrays: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", **static_kw, **arrays), q, k, v, array_kw)
       if cudnn_err:
         results["errors"].append(f"cudnn {name}: {cudnn_err}")
     try:
