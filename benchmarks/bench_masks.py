@@ -76,7 +76,7 @@ def flex_peer(batch, seq, variant):
     return None
   dev = "cuda"
   q, k, v = (torch.randn(batch, HEADS, seq, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
-  slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, device=dev) / HEADS)
+  slopes = torch.from_numpy(np.asarray(pa.variants.alibi_slopes(HEADS))).to(dev)
   masks = _flex_masks(torch, seq)
   score_mods = {"softcap": lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0),
                 "alibi": lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)}

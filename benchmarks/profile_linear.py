@@ -81,7 +81,7 @@ def profile_ours(name: str, seq_len: int, out: pathlib.Path,
       "fwd": (forward, (q, k, v, log_decay)),
       "fwd_bwd": (forward_backward, (q, k, v, log_decay, d_out)),
       "decay_cumsum": (lambda ld: forward_lib.chunk_cumulative_log_decay(
-          ld, schedule.chunk_size, interpret=False), (log_decay,)),
+          ld, schedule.chunk_size, interpret=schedule.interpret), (log_decay,)),
       "decay_cumsum_xla": (lambda ld: reference.chunk_cumulative_log_decay(
           ld, schedule.chunk_size), (log_decay,)),
       "state_fwd": (lambda k, v, g, s: forward_lib.state_pass(
