@@ -85,17 +85,11 @@ def _pad_to(x, shape):
   return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
 
 
-# Step log decays are clamped here: exp(-100) is below float32's smallest
-# normal number, and a finite floor keeps a hard reset (-inf) from turning
-# differences of cumulative decays into inf - inf.
-LOG_DECAY_FLOOR = -100.0
-
-
 def _kernel_log_decay(log_decay, spec: spec_lib.LinearAttentionSpec):
-  """log_decay as the kernel sees it: None, [B, S, H] or [B, S, H, Dk'] f32."""
+  """log_decay as the kernel sees it: None, [B, S, H] or [B, S, H, Dk'] in
+  its own dtype (the decay-prefix kernel casts and clamps it)."""
   if log_decay is None:
     return None
-  log_decay = jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR)
   if spec.decay_kind == spec_lib.DECAY_PER_HEAD:
     return jnp.broadcast_to(log_decay, (spec.batch, spec.seq_len, spec.heads))
   return log_decay

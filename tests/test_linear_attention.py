@@ -489,6 +489,26 @@ def test_positive_log_decay_is_not_checked_under_jit():
 
 
 @pytest.mark.parametrize("kind", ["scalar", "vector"])
+def test_log_decay_gradient_below_the_floor(kind):
+  """Steps below LOG_DECAY_FLOOR (a -inf reset, a -1000 step) get a zero
+  gradient, as a clamp's; the others match the reference's. The gate is
+  bfloat16, so its gradient comes back in bfloat16."""
+  q, k, v = _inputs()
+  log_decay = (_log_decay(kind, 17).at[:, 21].set(-jnp.inf)
+               .at[:, 40].set(-1000.0).astype(jnp.bfloat16))
+  loss = lambda fn: lambda g: jnp.sum(fn(g) * v)
+  d_log_decay = jax.grad(loss(lambda g: linear_attention(
+      q, k, v, log_decay=g, chunk_size=CHUNK)))(log_decay)
+  d_ref = jax.grad(loss(lambda g: linear_attention_reference(
+      q, k, v, log_decay=jnp.maximum(g.astype(jnp.float32), -100.0))[0]))(
+          log_decay)
+  assert d_log_decay.dtype == jnp.bfloat16
+  clamped = log_decay < -100.0
+  assert not jnp.any(jnp.where(clamped, d_log_decay, 0.0))
+  assert_close(jnp.where(clamped, 0.0, d_log_decay), d_ref, 2e-2)
+
+
+@pytest.mark.parametrize("kind", ["scalar", "vector"])
 def test_hard_reset_with_minus_infinity(kind):
   q, k, v = _inputs()
   log_decay = _log_decay(kind, 16).at[:, 21].set(-jnp.inf)

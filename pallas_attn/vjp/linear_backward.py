@@ -35,10 +35,11 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
-    SUB_BLOCK, ChunkedSchedule, chunk_cumulative_log_decay, chunk_inputs,
-    causal_from, chunk_state_spec, chunked_forward, dense_decay,
-    diagonal_block, keys_to_anchor, masked_rescale, row_block_offset,
-    row_spec, scale_rows, sequence_spec, state_pass)
+    LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, causal_from,
+    chunk_cumulative_log_decay, chunk_inputs, chunk_state_spec,
+    chunked_forward, dense_decay, diagonal_block, keys_to_anchor,
+    masked_rescale, row_block_offset, row_spec, scale_rows, sequence_spec,
+    state_pass)
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
@@ -176,8 +177,9 @@ def chunked_linear_attention(q, k, v, log_decay, initial_state,
                              schedule: ChunkedSchedule):
   """Linear attention on padded inputs, differentiable in all array inputs.
 
-  log_decay: None, [B, S, H] or [B, S, H, Dk] float32 step log decays (the
-  kind named by `schedule.decay_kind`). Returns (o, final state).
+  log_decay: None, [B, S, H] or [B, S, H, Dk] step log decays (the kind
+  named by `schedule.decay_kind`), clamped to `LOG_DECAY_FLOOR` here.
+  Returns (o, final state).
   """
   o, final_state, _ = chunked_forward(
       q, k, v, _cumulative(log_decay, schedule), initial_state, schedule)
@@ -195,19 +197,21 @@ def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
   log_decay_cum = _cumulative(log_decay, schedule)
   o, final_state, chunk_states = chunked_forward(
       q, k, v, log_decay_cum, initial_state, schedule)
-  residuals = (q, k, v, log_decay_cum, chunk_states, final_state)
+  residuals = (q, k, v, log_decay, log_decay_cum, chunk_states, final_state)
   return (o, final_state), residuals
 
 
 def _backward(schedule, residuals, cotangents):
-  q, k, v, log_decay_cum, chunk_states, final_state = residuals
+  q, k, v, log_decay, log_decay_cum, chunk_states, final_state = residuals
   d_out, d_final = cotangents
   dq, dk, dv, d_initial = chunked_backward(
       q, k, v, log_decay_cum, chunk_states, d_out, d_final, schedule)
   d_log_decay = None
-  if log_decay_cum is not None:
-    d_log_decay = log_decay_grad(q, k, dq, dk, final_state, d_final,
-                                 schedule.decay_kind)
+  if log_decay is not None:  # no gradient through the prefix pass' clamp
+    d_log_decay = jnp.where(
+        log_decay >= LOG_DECAY_FLOOR,
+        log_decay_grad(q, k, dq, dk, final_state, d_final,
+                       schedule.decay_kind), 0.0).astype(log_decay.dtype)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv, d_log_decay, d_initial
 
 

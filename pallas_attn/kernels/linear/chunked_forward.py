@@ -112,18 +112,26 @@ def heuristic_linear_config(seq_len: int, d_feature: int,
       num_warps=4, num_stages=2)
 
 
+# Step log decays are clamped to this floor by the prefix pass: exp(-100) is
+# below float32's smallest normal number, and a finite floor keeps a hard
+# reset (-inf) from turning differences of cumulative decays into inf - inf.
+LOG_DECAY_FLOOR = -100.0
+
+
 def _cumulative_decay_kernel(log_decay_ref, g_ref):
   # Scaled per step, before the sum: rounding stays relative to each step,
   # not to the (large, cancelling) cumulative values.
-  steps = log_decay_ref[...].astype(jnp.float32) * LOG2E
-  g_ref[...] = lax.cumsum(steps, axis=0)
+  steps = jnp.maximum(log_decay_ref[...].astype(jnp.float32), LOG_DECAY_FLOOR)
+  g_ref[...] = lax.cumsum(steps * LOG2E, axis=0)
 
 
 def chunk_cumulative_log_decay(log_decay, chunk_size: int, *,
                                interpret: bool):
-  """Inclusive cumulative sums of `log_decay` ([B, S, H] or [B, S, H, Dk])
-  within chunks, in base 2 (the kernels' `g`: a decay factor is exp2 of a
-  difference), as float32.
+  """Inclusive cumulative sums of `log_decay` ([B, S, H] or [B, S, H, Dk],
+  any float dtype, clamped to `LOG_DECAY_FLOOR`) within chunks, in base 2
+  (the kernels' `g`: a decay factor is exp2 of a difference), as float32.
+  The clamp and the cast happen here, not in an XLA pass before: a GLA gate
+  is as large as q, and one more pass over it cost about as much as this one.
 
   Each program reads a [C, Dk] chunk of one head (vector gates) or a [C,
   heads] chunk of up to 128 heads (scalar decays: contiguous rows, not one

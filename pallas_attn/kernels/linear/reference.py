@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_attn.kernels.linear.chunked_forward import LOG_DECAY_FLOOR
 from pallas_attn.kernels.online import LOG2E
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -72,9 +73,11 @@ def linear_attention_reference(q, k, v, *, log_decay=None, q_mod=None,
 
 def chunk_cumulative_log_decay(log_decay, chunk_size: int):
   """jnp version of `chunked_forward.chunk_cumulative_log_decay`: base-2
-  inclusive cumulative sums of the step log decays within chunks."""
+  inclusive cumulative sums of the step log decays, clamped to
+  `LOG_DECAY_FLOOR`, within chunks."""
   batch, seq_len = log_decay.shape[:2]
-  chunks = log_decay.astype(jnp.float32).reshape(
+  steps = jnp.maximum(log_decay.astype(jnp.float32), LOG_DECAY_FLOOR)
+  chunks = steps.reshape(
       batch, seq_len // chunk_size, chunk_size, *log_decay.shape[2:])
   return jnp.cumsum(chunks * LOG2E, axis=2).reshape(log_decay.shape)
 
