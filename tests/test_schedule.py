@@ -179,13 +179,18 @@ def test_mask_density():
   assert timing.mask_density(window, 8192, 8192) == pytest.approx(127 / 8192, rel=0.1)
 
 
-def test_median_time_ms_runs_warmup_and_reps():
+def test_median_time_ms_times_windows_of_calls():
+  """warmup calls, then reps windows; a window holds one call when the
+  warm-up call alone outlasts it, more when calls are short."""
   calls = []
   def fn():
     calls.append(1)
     return jnp.ones(3)
-  assert timing.median_time_ms(fn, warmup=2, reps=5) > 0
+  assert timing.median_time_ms(fn, warmup=2, reps=5, window_ms=0.0) > 0
   assert len(calls) == 7
+  calls.clear()
+  timing.median_time_ms(fn, warmup=2, reps=5, window_ms=1e6)
+  assert len(calls) == 2 + 5 * timing.MAX_CALLS_PER_WINDOW
 
 
 # --- Cache ------------------------------------------------------------------------

@@ -10,68 +10,54 @@ import jax
 import jax.numpy as jnp
 
 
-def _synchronized(fn: Callable) -> Callable:
-  return lambda: jax.block_until_ready(fn())
+WINDOW_MS = 20.0  # device time per timed window of back-to-back calls
+MAX_CALLS_PER_WINDOW = 200
 
 
-def _do_bench_ms(fn: Callable, warmup: int, reps: int) -> float | None:
-  """Triton's `do_bench` median on a GPU, or None where it cannot run.
+def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
+                   window_ms: float = WINDOW_MS) -> float:
+  """Median milliseconds per call of `fn()` (a zero-arg callable returning
+  arrays), as device throughput.
 
-  `do_bench` takes warm-up and repetition budgets in milliseconds, so the
-  counts are converted with a one-call estimate. Each call blocks until
-  JAX's work is done, so its events bracket the work whatever stream runs it.
+  Each of `reps` windows issues calls back to back and waits once, at its
+  end: JAX's asynchronous dispatch runs ahead of the device, so a call
+  costs its device time (launch gaps included, host latency not), as in a
+  training loop. The last of `warmup` calls (at least one; compilation
+  should happen before, or in, the others) sizes a window to about
+  `window_ms`. Waiting after every call instead adds the host's dispatch
+  and wait to each: 50-70 us on an H200, up to 40% of a 0.2 ms kernel.
+  (Triton's `do_bench` does that for JAX: its events are recorded on
+  PyTorch's stream, which JAX does not run on.)
   """
-  if jax.default_backend() != "gpu":
-    return None
-  try:
-    from triton.testing import do_bench
-  except ImportError:
-    return None
+  if reps < 1 or warmup < 1:
+    raise ValueError(f"warmup and reps must be >= 1, got {warmup}, {reps}")
+  for _ in range(warmup - 1):
+    jax.block_until_ready(fn())
   start = time.perf_counter()
-  fn()
-  estimate_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
-  try:
-    return float(do_bench(fn, warmup=warmup * estimate_ms, rep=reps * estimate_ms,
-                          return_mode="median"))
-  except Exception:  # do_bench needs torch's CUDA runtime; not always there.
-    return None
-
-
-def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10) -> float:
-  """Median milliseconds of `fn()` (a zero-arg callable returning arrays).
-
-  Uses `triton.testing.do_bench` (return_mode="median") on a GPU where it is
-  importable and usable, else a wall-clock median of `reps` synchronized
-  calls after `warmup` calls. The first call (compilation) should happen
-  before, or be covered by `warmup`.
-  """
-  if reps < 1:
-    raise ValueError(f"reps must be >= 1, got {reps}")
-  sync_fn = _synchronized(fn)
-  bench_ms = _do_bench_ms(sync_fn, warmup, reps)
-  if bench_ms is not None:
-    return bench_ms
-  for _ in range(warmup):
-    sync_fn()
+  jax.block_until_ready(fn())
+  estimate_ms = (time.perf_counter() - start) * 1e3
+  calls = max(1, min(MAX_CALLS_PER_WINDOW,
+                     math.floor(window_ms / max(estimate_ms, 1e-3))))
   times = []
   for _ in range(reps):
     start = time.perf_counter()
-    sync_fn()
-    times.append((time.perf_counter() - start) * 1e3)
+    for _ in range(calls):
+      out = fn()
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) * 1e3 / calls)
   return statistics.median(times)
 
 
 def amortized_time_ms(fn: Callable, *args, warmup: int = 3, reps: int = 10,
                       target_ms: float = 4.0, max_copies: int = 8) -> float:
-  """Milliseconds of one `fn(*args)` inside a jitted program, host dispatch amortized.
+  """Milliseconds of one `fn(*args)` inside a jitted program (`median_time_ms`).
 
-  Timing single synchronized calls adds JAX's dispatch and synchronization
-  latency (tens of microseconds) to each call, a large share of a
-  sub-millisecond kernel, and it is paid once per step in a jitted training
-  loop, not per attention call. So short calls run as `copies` independent
-  calls on copies of the inputs in one jitted program (distinct buffers: XLA
-  cannot merge them), sized so that the program takes about `target_ms`, and
-  the median program time is divided by `copies`.
+  Short calls run as `copies` independent calls on copies of the inputs in
+  one jitted program (distinct buffers: XLA cannot merge them), sized so
+  that the program takes about `target_ms`, and the median program time is
+  divided by `copies`. The copies amortize the per-program dispatch and keep
+  a call from finding its inputs in L2 from the call before, as a layer's
+  attention would not (peers timed with `do_bench` flush L2 between calls).
   """
   return amortized_timer(fn, *args, target_ms=target_ms,
                          max_copies=max_copies)(warmup=warmup, reps=reps)
