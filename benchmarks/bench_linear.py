@@ -11,8 +11,10 @@ vector gate). Shapes: B=4, H=16, Dk=Dv=128 with a GLA vector gate and with a
 scalar decay, and Mamba2-2.7B's SSD (H=80, state 128, head dim 64, scalar
 decay), for S in --seq. Also records the peak device memory of our forward
 at the longest S from XLA's memory analysis, with --sweep times a few
-tile configs per shape (the best one is reported), and with --rounds N
-times our forward and fla's in alternation N times (ratios per round).
+tile configs per shape (the best one is reported). With fla, --rounds N
+(default 3) also measures the device time of each call from the GPU's
+kernel records (`kernel_time.py`), ours and fla's in alternation: the
+like-for-like comparison, since the two sides' wall-clock timers differ.
 
 Writes DIR/bench_linear.json and prints a table last.
 """
@@ -39,8 +41,9 @@ from pallas_attn.kernels.linear.reference import (  # noqa: E402
     chunked_linear_attention_jnp, linear_attention_reference)
 from pallas_attn.linear import linear_attention  # noqa: E402
 from pallas_attn.schedule.config import LinearAttentionConfig  # noqa: E402
-from pallas_attn.schedule.timing import (  # noqa: E402
-    amortized_time_ms, amortized_timer)
+from pallas_attn.schedule.timing import amortized_time_ms  # noqa: E402
+
+from benchmarks.kernel_time import kernel_time_ms  # noqa: E402
 
 SHAPES = {
     # name: (heads, d_k, d_v, decay kind, scale)
@@ -110,25 +113,42 @@ def _time_jax(attention, args, with_backward: bool = True) -> dict:
   return out
 
 
-def _interleaved_forwards(attention, fla, args, kind: str, scale,
-                          rounds: int) -> dict:
-  """Our forward and fla's, timed in alternation `rounds` times.
+def _kernel_times(attention, fla, args, kind: str, scale, rounds: int) -> dict:
+  """Device time per call (`kernel_time.kernel_time_ms`) of our forward and
+  forward+backward and fla's, in alternation `rounds` times.
 
-  One kernel's time drifts by up to ~15% between calls on the GPU machine,
-  more than the 1.2x target's margin; the per-round ratio cancels drift
-  that both see. Reports medians and the ratios' range.
+  Medians of each, the median per-round ratio fla / ours with its range,
+  and the last round's time per kernel.
   """
-  q, k, v, g, _ = args
-  ours_timer = amortized_timer(jax.jit(attention), q, k, v, g)
-  ours, theirs = [], []
+  forward, forward_backward = _jax_fns(attention)
+  q, k, v, g, d_out = args
+  ours = {"fwd": lambda: forward(q, k, v, g),
+          "fwd_bwd": lambda: forward_backward(q, k, v, g, d_out)}
+  theirs = _fla_calls(fla, args, kind, scale)
+  times = {(side, mode): [] for side in ("ours", "fla") for mode in ours}
+  kernels = {}
   for _ in range(rounds):
-    ours.append(ours_timer(reps=REPS))
-    theirs.append(time_fla(fla, args, kind, scale, with_backward=False)["fwd_ms"])
+    for side, calls in (("ours", ours), ("fla", theirs)):
+      for mode, call in calls.items():
+        try:
+          total, kernels[f"{side}_{mode}"] = kernel_time_ms(call)
+        except Exception as e:  # fla refuses some backwards: keep the rest
+          kernels[f"{side}_{mode}"] = f"{type(e).__name__}: {str(e)[:200]}"
+          continue
+        times[side, mode].append(total)
   median = lambda xs: sorted(xs)[len(xs) // 2]
-  ratios = sorted(t / o for t, o in zip(theirs, ours))
-  return {"rounds": rounds, "ours_fwd_ms": median(ours),
-          "fla_fwd_ms": median(theirs), "fla_over_ours": median(ratios),
-          "fla_over_ours_range": [ratios[0], ratios[-1]]}
+  out = {"rounds": rounds, "per_kernel_ms_last_round": kernels}
+  for mode in ours:
+    mine, other = times["ours", mode], times["fla", mode]
+    if mine:
+      out[f"ours_{mode}_ms"] = median(mine)
+    if mine and len(other) == len(mine):
+      out[f"fla_{mode}_ms"] = median(other)
+      ratios = sorted(t / o for t, o in zip(other, mine))
+      out[f"fla_over_ours_{mode}"] = median(ratios)
+      out[f"fla_over_ours_{mode}_range"] = [ratios[0], ratios[-1]]
+  fla[2].cuda.empty_cache()
+  return out
 
 
 def _memory(attention, args) -> dict | None:
@@ -159,25 +179,11 @@ def _fla_runner():
   return (chunk_simple_gla, chunk_gla, torch), None
 
 
-def time_fla(fla, args, kind: str, scale, with_backward: bool = True) -> dict:
-  """`_fla_times`, then the tensors' memory goes back to the device for JAX."""
-  times = _fla_times(fla, args, kind, scale, with_backward)
-  fla[2].cuda.empty_cache()
-  return times
-
-
-def _fla_times(fla, args, kind: str, scale, with_backward: bool) -> dict:
-  """flash-linear-attention's forward and forward+backward times (ms).
-
-  `triton.testing.do_bench` medians of asynchronous launches, as a training
-  step issues them (a synchronize per call would add launch latency to
-  each of fla's several kernels). The forward is kept when the backward
-  fails: fla 0.6 refuses `chunk_simple_gla`'s backward on Hopper with
-  Triton 3.4-3.7.0 (its issue #640).
-  """
+def _fla_calls(fla, args, kind: str, scale) -> dict:
+  """fla's forward and forward+backward on our inputs, as zero-argument
+  PyTorch callables ({"fwd": ..., "fwd_bwd": ...})."""
   chunk_simple_gla, chunk_gla, torch = fla
   import numpy as np
-  from triton.testing import do_bench
   q, k, v, g, d_out = (
       torch.from_numpy(np.array(x.astype(jnp.float32))).cuda()
       for x in args)
@@ -189,20 +195,36 @@ def _fla_times(fla, args, kind: str, scale, with_backward: bool) -> dict:
     options["head_first"] = False  # our [B, T, H, D] layout
 
   def forward():
-    return op(q, k, v, g, **options)[0]
+    with torch.no_grad():
+      return op(q, k, v, g, **options)[0]
 
-  def bench(fn):
-    return float(do_bench(fn, warmup=100, rep=500, return_mode="median"))
+  def forward_backward():
+    return torch.autograd.grad(op(q, k, v, g, **options)[0], leaves, d_out)
 
-  with torch.no_grad():
-    out = {"fwd_ms": bench(forward)}
-  if not with_backward:
-    return out
-  try:
-    out["fwd_bwd_ms"] = bench(
-        lambda: torch.autograd.grad(forward(), leaves, d_out))
-  except Exception as e:  # recorded, the forward stands
-    out["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  return {"fwd": forward, "fwd_bwd": forward_backward}
+
+
+def time_fla(fla, args, kind: str, scale, with_backward: bool = True) -> dict:
+  """flash-linear-attention's forward and forward+backward times (ms).
+
+  `triton.testing.do_bench` medians of asynchronous launches, as a training
+  step issues them (a synchronize per call would add launch latency to
+  each of fla's several kernels). The forward is kept when the backward
+  fails: fla 0.6 refuses `chunk_simple_gla`'s backward on Hopper with
+  Triton 3.4-3.7.0 (its issue #640). The tensors' memory goes back to the
+  device for JAX afterwards.
+  """
+  from triton.testing import do_bench
+  calls = _fla_calls(fla, args, kind, scale)
+  bench = lambda fn: float(do_bench(fn, warmup=100, rep=500,
+                                    return_mode="median"))
+  out = {"fwd_ms": bench(calls["fwd"])}
+  if with_backward:
+    try:
+      out["fwd_bwd_ms"] = bench(calls["fwd_bwd"])
+    except Exception as e:  # recorded, the forward stands
+      out["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  fla[2].cuda.empty_cache()
   return out
 
 
@@ -252,9 +274,9 @@ def main(argv=None) -> int:
                            "S and use the best for that shape")
   parser.add_argument("--skip-scan", action="store_true",
                       help="leave out the (slow) lax.scan reference")
-  parser.add_argument("--rounds", type=int, default=0,
-                      help="also time our forward and fla's in alternation "
-                           "this many rounds (per-round ratios)")
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="rounds of device (kernel) time, ours and fla's in "
+                           "alternation (0: none)")
   args = parser.parse_args(argv)
   args.out.mkdir(parents=True, exist_ok=True)
   device = jax.devices()[0]
@@ -264,8 +286,10 @@ def main(argv=None) -> int:
       "backend": jax.default_backend(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "versions": _versions(),
-      "timer": "ours and XLA: schedule.timing.amortized_time_ms; fla: "
-               "triton do_bench median of asynchronous launches",
+      "timer": "ours and XLA: schedule.timing.amortized_time_ms (device "
+               "throughput of back-to-back calls); fla: triton do_bench "
+               "median of asynchronous launches; kernel_time: summed "
+               "durations of the GPU's kernel records (CUPTI) per call",
       "dtype": "bfloat16 inputs (references compute in float32)",
       "batch": BATCH,
       "fla": "available" if fla else fla_missing,
@@ -298,9 +322,9 @@ def main(argv=None) -> int:
       row["fla"] = (_attempt(time_fla, fla, inputs, kind, scale) if fla
                     else {"error": fla_missing})
       if fla and args.rounds:
-        row["interleaved_fwd"] = _attempt(
-            _interleaved_forwards, _ours(scale, config), fla, inputs, kind,
-            scale, args.rounds)
+        row["kernel_time"] = _attempt(
+            _kernel_times, _ours(scale, config), fla, inputs, kind, scale,
+            args.rounds)
       for key in ("scan", "fla"):
         ours, other = row["ours"].get("fwd_ms"), row[key].get("fwd_ms")
         if isinstance(ours, float) and isinstance(other, float):
@@ -341,14 +365,19 @@ def main(argv=None) -> int:
                        for a, b in zip(cells[::2], cells[1::2]))
           + f" | {_fmt(row.get('fwd_speedup_vs_scan')):>6} "
             f"{_fmt(row.get('fwd_bwd_speedup_vs_fla')):>8}")
+  print("device (kernel) time per call in ms, median of the rounds; fla/ours "
+        "per round (>= 0.83 meets 'within 1.2x')")
   for row in results:
-    pair = row.get("interleaved_fwd")
-    if pair and "fla_over_ours" in pair:
-      low, high = pair["fla_over_ours_range"]
-      print(f"{row['shape']:26} {row['seq_len']:>6} forward in alternation x"
-            f"{pair['rounds']}: ours {_fmt(pair['ours_fwd_ms'])} fla "
-            f"{_fmt(pair['fla_fwd_ms'])} ms, fla/ours {_fmt(pair['fla_over_ours'])}"
-            f" ({_fmt(low)}-{_fmt(high)})")
+    times = row.get("kernel_time", {})
+    for mode in ("fwd", "fwd_bwd"):
+      ratio = times.get(f"fla_over_ours_{mode}")
+      if f"ours_{mode}_ms" not in times:
+        continue
+      low, high = times.get(f"fla_over_ours_{mode}_range", (None, None))
+      print(f"{row['shape']:26} {row['seq_len']:>6} {mode:>7}: ours "
+            f"{_fmt(times[f'ours_{mode}_ms'])} fla "
+            f"{_fmt(times.get(f'fla_{mode}_ms'))}, fla/ours {_fmt(ratio)} "
+            f"({_fmt(low)}-{_fmt(high)})")
   return 0
 
 

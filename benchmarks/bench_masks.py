@@ -3,7 +3,10 @@
 Run on the GPU machine: `python benchmarks/bench_masks.py --out DIR`. Writes
 DIR/masks.json and prints a short table last. TFLOP/s count only unmasked
 (q, kv) pairs. FlexAttention (torch.compile'd) runs in the same process on
-the same GPU.
+the same GPU. Each implementation is timed twice: wall clock (ours and the
+JAX peers by `amortized_time_ms`, Flex by `do_bench`) and, where PyTorch
+is there, device time from the GPU's kernel records (`kernel_time.py`,
+keys `*_kernel_ms`), the same measure for every side.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 
 import pallas_attn as pa
 from bench_forward import environment, inputs, time_fn
+from kernel_time import kernel_time_ms
 from pallas_attn.schedule.timing import attention_flops
 
 HEADS, D = 16, 128
@@ -66,8 +70,19 @@ def _flex_masks(torch, seq):
           "documents_8": lambda b, h, qi, ki: (ids[qi] == ids[ki]) & (qi >= ki)}
 
 
+def device_ms(fn, *args):
+  """Kernel time per call of jitted `fn(*args)` (`kernel_time_ms`), or None
+  without PyTorch or where `fn` fails (its wall-clock time says why)."""
+  try:
+    jitted = jax.jit(fn)
+    return kernel_time_ms(lambda: jitted(*args))[0]
+  except Exception:
+    return None
+
+
 def flex_peer(batch, seq, variant):
-  """FlexAttention forward ms for a named variant, or None if torch is unavailable."""
+  """FlexAttention forward (wall-clock ms, kernel ms) for a named variant,
+  or None if torch is unavailable."""
   try:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -86,7 +101,8 @@ def flex_peer(batch, seq, variant):
   run = lambda: fn(q, k, v, score_mod=score_mods.get(variant), block_mask=block_mask)
   run()
   torch.cuda.synchronize()
-  return float(do_bench(run, warmup=25, rep=100, return_mode="median"))
+  return (float(do_bench(run, warmup=25, rep=100, return_mode="median")),
+          kernel_time_ms(run)[0])
 
 
 def flex_build_ms(seq, variant, reps=10):
@@ -164,7 +180,12 @@ def main(argv=None):
     cudnn_ms, _ = time_fn(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn"), q, k, v)
     row = dict(seq=seq, batch=batch, dense_ms=dense_ms, causal_ms=causal_ms,
-               pallas_ref_causal_ms=ref_ms, cudnn_causal_ms=cudnn_ms)
+               pallas_ref_causal_ms=ref_ms, cudnn_causal_ms=cudnn_ms,
+               dense_kernel_ms=device_ms(lambda q, k, v: pa.attention(q, k, v), q, k, v),
+               causal_kernel_ms=device_ms(
+                   lambda q, k, v: pa.attention(q, k, v, mask_mod=causal), q, k, v),
+               pallas_ref_causal_kernel_ms=device_ms(lambda q, k, v: pallas_ref.mha(
+                   q, k, v, None, sm_scale=D ** -0.5, causal=True), q, k, v))
     results["causal"].append(row)
     print(json.dumps(row), flush=True)
 
@@ -206,22 +227,26 @@ def main(argv=None):
     if "mask_mod" in kw:  # built once and reused, as FlexAttention's block masks are
       kw = dict(kw, block_mask=pa.block_mask(kw["mask_mod"], batch, HEADS, seq, seq))
     ours, err = time_fn(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
+    ours_kernel = device_ms(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
     dense_kw = {key: val for key, val in kw.items() if key != "block_mask"}
     xla, _ = time_fn(lambda q, k, v: pa.attention_reference(q, k, v, **dense_kw), q, k, v)
-    peer, cudnn = cudnn_peer(name, batch, seq), None
+    peer, cudnn, cudnn_kernel = cudnn_peer(name, batch, seq), None, None
     if peer is not None:
       static_kw, array_kw = peer  # arrays as arguments, not jit constants
-      cudnn, cudnn_err = time_fn(lambda q, k, v, arrays: jax.nn.dot_product_attention(
-          q, k, v, implementation="cudnn", **static_kw, **arrays), q, k, v, array_kw)
+      cudnn_fn = lambda q, k, v, arrays: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", **static_kw, **arrays)
+      cudnn, cudnn_err = time_fn(cudnn_fn, q, k, v, array_kw)
+      cudnn_kernel = device_ms(cudnn_fn, q, k, v, array_kw)
       if cudnn_err:
         results["errors"].append(f"cudnn {name}: {cudnn_err}")
     try:
-      flex = flex_peer(batch, seq, name)
+      flex, flex_kernel = flex_peer(batch, seq, name) or (None, None)
     except Exception as e:
-      flex = None
+      flex, flex_kernel = None, None
       results["errors"].append(f"flex {name}: {type(e).__name__}: {str(e)[:200]}")
     row = dict(variant=name, flops=flops, ours_ms=ours, xla_ms=xla, flex_ms=flex,
-               cudnn_ms=cudnn)
+               cudnn_ms=cudnn, ours_kernel_ms=ours_kernel, flex_kernel_ms=flex_kernel,
+               cudnn_kernel_ms=cudnn_kernel)
     if err:
       results["errors"].append(f"ours {name}: {err}")
     results["peers"].append(row)
@@ -253,6 +278,11 @@ def print_table(results):
     print(f"  {r['seq']:>6} {_ms(r['dense_ms']):>7} {_ms(r['causal_ms']):>7} "
           f"{_ratio(r['causal_ms'], r['dense_ms']):>7} {_ms(r['pallas_ref_causal_ms']):>7} "
           f"{_ms(r['cudnn_causal_ms']):>7} {_ratio(r['pallas_ref_causal_ms'], r['causal_ms']):>13}")
+  if any(r.get("causal_kernel_ms") for r in results["causal"]):
+    print("  device (kernel) time: " + ", ".join(
+        f"S={r['seq']} causal/dense {_ratio(r['causal_kernel_ms'], r['dense_kernel_ms'])}"
+        f" p_ref/ours {_ratio(r['pallas_ref_causal_kernel_ms'], r['causal_kernel_ms'])}"
+        for r in results["causal"]))
   for r in results["window"]:
     print(f"  sliding window {r['window']:>4} at S={r['seq']}: {_ms(r['ms'])} ms")
   print(f"  block mask build ms: {results['build_ms']}")
@@ -262,6 +292,13 @@ def print_table(results):
     print(f"  {r['variant']:<20} {_tf(r['flops'], r['ours_ms']):>6} "
           f"{_tf(r['flops'], r['flex_ms']):>6} {_tf(r['flops'], r.get('cudnn_ms')):>6} "
           f"{_tf(r['flops'], r['xla_ms']):>6} {_ratio(r['flex_ms'], r['ours_ms']):>9}")
+  if any(r.get("ours_kernel_ms") for r in results["peers"]):
+    print("  same, by device (kernel) time:")
+    for r in results["peers"]:
+      print(f"  {r['variant']:<20} {_tf(r['flops'], r['ours_kernel_ms']):>6} "
+            f"{_tf(r['flops'], r['flex_kernel_ms']):>6} "
+            f"{_tf(r['flops'], r['cudnn_kernel_ms']):>6} {'':>6} "
+            f"{_ratio(r['flex_kernel_ms'], r['ours_kernel_ms']):>9}")
   for e in results["errors"]:
     print("  error:", e)
 
