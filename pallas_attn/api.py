@@ -60,10 +60,12 @@ def _pad_to(x, axis, length):
   return jnp.pad(x, widths)
 
 
-# Per kernel template: the argument that sets its config, and the default heuristic.
+# Per kernel template: the argument that sets its config, and the default
+# heuristic (of Sq, Skv, Dqk, Dv and whether a mask_mod makes it block sparse).
 _CONFIG_SOURCES = {
     "forward": ("config", heuristic_config),
-    "backward": ("bwd_config", heuristic_backward_config),
+    "backward": ("bwd_config",
+                 lambda *dims, block_sparse: heuristic_backward_config(*dims)),
 }
 
 
@@ -78,7 +80,8 @@ def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) ->
     raise TypeError(f"{arg_name} must be an AttentionConfig, 'auto' or None; got {config!r}")
   return (tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
                                      k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
-          or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3]))
+          or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3],
+                       block_sparse=analysis.mask_mod is not None))
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,

@@ -92,14 +92,15 @@ def _shape(args) -> ProblemShape:
       (args.batch, seq_kv, heads_kv, d_v), args.dtype)
 
 
-def _chosen_config(template: str, fingerprint: str, shape: ProblemShape):
+def _chosen_config(template: str, analysis, shape: ProblemShape):
   """The config `attention(config="auto")` would use, and where it came from."""
-  config = cache_lib.lookup_config(template, fingerprint, q_shape=shape.q_shape,
+  config = cache_lib.lookup_config(template, analysis.fingerprint(), q_shape=shape.q_shape,
                                    k_shape=shape.k_shape, v_shape=shape.v_shape,
                                    dtype=shape.dtype)
   if config is not None:
     return config, "from the tuning cache"
-  return default_config(template, shape), "heuristic (no tuned cache entry)"
+  return (default_config(template, shape, block_sparse=analysis.mask_mod is not None),
+          "heuristic (no tuned cache entry)")
 
 
 def _progress(line: str) -> None:
@@ -158,14 +159,13 @@ def cmd_explain(args) -> int:
   print(analysis.describe())
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
   for template in args.templates:
-    config, source = _chosen_config(template, analysis.fingerprint(), shape)
+    config, source = _chosen_config(template, analysis, shape)
     print(f"{template}: {format_config(config)}  [{source}]")
-    if template == "backward" and analysis.mask_mod is not None:
-      print("  block_q/block_k follow the forward's block mask (a mask_mod is set)")
     reason = prune_reason(template, config, shape, device)
     if reason:
       print(f"  warning: the resource model rejects it: {reason}")
-    print("  " + search_space(template, shape, device).summary(
+    print("  " + search_space(template, shape, device,
+                              block_sparse=analysis.mask_mod is not None).summary(
         verbose=args.verbose).replace("\n", "\n  "))
   return 0
 

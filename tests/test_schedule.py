@@ -152,6 +152,17 @@ def test_candidates_fit_the_device(seq_q, seq_kv, d, dtype, kind):
       assert c.block_k <= max(16, 2 ** (seq_kv - 1).bit_length())
 
 
+def test_masked_default_takes_wide_key_blocks():
+  """Under a mask_mod, heads up to 128 default to 128x128 forward tiles;
+  dense variants, small heads and larger heads keep theirs."""
+  forward = lambda d, block_sparse: space_lib.default_config(
+      "forward", shape(d_qk=d, d_v=d), block_sparse=block_sparse)
+  assert (forward(128, True).block_q, forward(128, True).block_k) == (128, 128)
+  assert forward(128, False).block_k == 64
+  assert forward(64, True) == forward(64, False)
+  assert forward(256, True) == forward(256, False)
+
+
 def test_problem_shape_validation():
   with pytest.raises(ValueError, match="multiple of kv heads"):
     shape(heads=6, kv_heads=4)
@@ -371,14 +382,16 @@ def test_tune_attention_backward_on_interpret(cache_path):
   assert not cache_path.exists()
 
 
-def test_tune_attention_masked_backward_keeps_forward_blocks(cache_path):
+def test_tune_attention_masked_backward_searches_its_own_blocks(cache_path):
+  """Under a mask_mod each pass runs the block mask on its own tiles, so
+  the backward's tiles are searched, not pinned to the forward's."""
   s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
   forward = AttentionConfig(16, 32, 4, 3)
   result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
                                 mask_mod=lambda b, h, q, k: q >= k, template="backward",
                                 forward_config=forward, warmup=1, reps=2, store=False)
   assert all(t.ok for t in result.trials)
-  assert {(c.block_q, c.block_k) for c in (t.config for t in result.trials[1:])} == {(16, 32)}
+  assert len({(t.config.block_q, t.config.block_k) for t in result.trials}) > 1
 
 
 def test_tune_needs_candidates():

@@ -103,11 +103,14 @@ def format_config(config: Config) -> str:
   return " ".join(f"{k}={v}" for k, v in config.to_dict().items())
 
 
-def default_config(template: str, shape: ProblemShape) -> Config:
-  """The heuristic config the kernels use when the cache has no entry (no tuning)."""
+def default_config(template: str, shape: ProblemShape, *,
+                   block_sparse: bool = False) -> Config:
+  """The heuristic config the kernels use when the cache has no entry (no
+  tuning); `block_sparse`: the variant has a mask_mod."""
   config_class(template)
   if template == "forward":
-    return heuristic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
+    return heuristic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
+                            block_sparse=block_sparse)
   if template == "backward":
     from pallas_attn.vjp.parallel_backward import heuristic_backward_config
     return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
@@ -261,10 +264,10 @@ class SearchSpace:
     return "\n".join(lines)
 
 
-def default_axes(template: str, shape: ProblemShape,
-                 device: DeviceConfig) -> dict[str, tuple[int, ...]]:
+def default_axes(template: str, shape: ProblemShape, device: DeviceConfig, *,
+                 block_sparse: bool = False) -> dict[str, tuple[int, ...]]:
   """The values searched per config field. Interpret mode keeps the default's launch parameters."""
-  default = default_config(template, shape)
+  default = default_config(template, shape, block_sparse=block_sparse)
   if device.interpret:
     launch = {"num_warps": (default.num_warps,), "num_stages": (default.num_stages,)}
   else:
@@ -282,9 +285,10 @@ def _distance(config: Config, default: Config) -> float:
              zip(dataclasses.astuple(config), dataclasses.astuple(default)))
 
 
-def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None = None,
-                 **axes: tuple[int, ...]) -> SearchSpace:
+def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None = None, *,
+                 block_sparse: bool = False, **axes: tuple[int, ...]) -> SearchSpace:
   """Enumerates and prunes the space; `axes` overrides the values of config fields.
+  block_sparse: the variant has a mask_mod (its default config differs).
 
   Example: `search_space("forward", shape, block_q=(32, 64), num_stages=(2,))`.
   """
@@ -294,8 +298,8 @@ def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None
   unknown = set(axes) - set(fields)
   if unknown:
     raise ValueError(f"unknown axes {sorted(unknown)} for {template}; fields: {fields}")
-  values = {**default_axes(template, shape, device), **axes}
-  default = default_config(template, shape)
+  values = {**default_axes(template, shape, device, block_sparse=block_sparse), **axes}
+  default = default_config(template, shape, block_sparse=block_sparse)
   candidates, pruned = [], []
   for combo in itertools.product(*(values[f] for f in fields)):
     config = cls(**dict(zip(fields, combo)))

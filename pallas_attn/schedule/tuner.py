@@ -211,15 +211,17 @@ def _random_inputs(shape: ProblemShape, seed: int):
 def tune_template(template: str, fingerprint: str, build: Callable, shape: ProblemShape, *,
                   budget_s: float = 60.0, max_candidates: int | None = None,
                   axes: dict | None = None, warmup: int = 3, reps: int = 10,
-                  store: bool = True,
+                  store: bool = True, block_sparse: bool = False,
                   progress: Callable[[str], None] | None = None) -> TuningResult:
   """Tunes `build` over `template`'s search space on this device; stores the winner.
 
   The heuristic default is the baseline and reference. axes: overrides of
   the values searched per config field, e.g. {"num_stages": (2, 3)};
-  max_candidates keeps the candidates nearest the default.
+  max_candidates keeps the candidates nearest the default. block_sparse:
+  the variant has a mask_mod (its heuristic default differs).
   """
-  space = search_space(template, shape, device_config(), **(axes or {}))
+  space = search_space(template, shape, device_config(), block_sparse=block_sparse,
+                       **(axes or {}))
   report = progress or (lambda _: None)
   report(space.summary())
   result = tune(build, space.candidates[:max_candidates], baseline=space.default,
@@ -242,7 +244,7 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   template: "forward" (`config=`) or "backward" (`bwd_config=`), tuned
     separately; the backward is timed alone, with the forward's config fixed
     to `forward_config`, else the cached one, else the heuristic. With a
-    mask_mod the backward keeps the forward's blocks (the block mask's).
+    mask_mod each pass gets the block mask on its own tiles.
   tuning: keyword arguments of `tune_template` (budget_s, max_candidates,
     axes, warmup, reps, store, progress).
   Afterwards `attention(config="auto")` finds the stored config.
@@ -267,12 +269,8 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
     if forward_config is None:
       forward_config = (cache.lookup_config("forward", fingerprint, q_shape=q_shape,
                                             k_shape=k_shape, v_shape=v_shape, dtype=dtype)
-                        or default_config("forward", shape))
-    if mask_mod is not None:
-      # Both passes then run on the block mask's tiles, the forward's: only
-      # num_warps and num_stages of the backward config take effect.
-      tuning["axes"] = {"block_q": (forward_config.block_q,),
-                        "block_k": (forward_config.block_k,), **tuning.get("axes", {})}
+                        or default_config("forward", shape,
+                                          block_sparse=mask_mod is not None))
     apply_pullback = jax.jit(lambda pullback, cotangent: pullback(cotangent))
 
     def build(config):
@@ -281,4 +279,5 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
           functools.partial(call, config=forward_config, bwd_config=config), q, k, v)
       return lambda: apply_pullback(pullback, dout)
 
-  return tune_template(template, fingerprint, build, shape, **tuning)
+  return tune_template(template, fingerprint, build, shape,
+                       block_sparse=mask_mod is not None, **tuning)
