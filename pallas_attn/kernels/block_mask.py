@@ -219,8 +219,10 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   """Builds the tile lists of `mask_mod` once, for reuse across calls and layers.
 
   Pass the result as `attention(..., mask_mod=mask_mod, block_mask=bm)`. The
-  block sizes become the kernel's block_q / block_k (defaults: the
-  heuristic config's).
+  block sizes become the kernel's block_q / block_k (defaults: the dense
+  heuristic's, 128x64 for d=128, not the 128x128 tiles a mask_mod alone
+  gets: a block mask can be coarsened for the other pass, not refined, so
+  the backward runs on these tiles too).
   """
   from pallas_attn.schedule.config import heuristic_config
   default = heuristic_config(seq_q, seq_kv, 128, 128)
