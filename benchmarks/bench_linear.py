@@ -308,7 +308,8 @@ def main(argv=None) -> int:
       row = {"shape": name, "seq_len": seq_len, "heads": heads, "d_k": d_k,
              "d_v": d_v, "decay": kind,
              "config": config.to_dict() if config else "heuristic"}
-      row["ours"] = _attempt(_time_jax, _ours(scale, config), inputs)
+      ours_fn = _ours(scale, config)
+      row["ours"] = _attempt(_time_jax, ours_fn, inputs)
       row["xla_chunked"] = _attempt(_time_jax, _xla_chunked(scale), inputs)
       if args.skip_scan:
         row["scan"] = {"error": "skipped (--skip-scan)"}
@@ -323,8 +324,7 @@ def main(argv=None) -> int:
                     else {"error": fla_missing})
       if fla and args.rounds:
         row["kernel_time"] = _attempt(
-            _kernel_times, _ours(scale, config), fla, inputs, kind, scale,
-            args.rounds)
+            _kernel_times, ours_fn, fla, inputs, kind, scale, args.rounds)
       for key in ("scan", "fla"):
         ours, other = row["ours"].get("fwd_ms"), row[key].get("fwd_ms")
         if isinstance(ours, float) and isinstance(other, float):
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
       print(json.dumps(row), flush=True)
       results.append(row)
       if seq_len == max(args.seq):
-        sizes = _attempt(_memory, _ours(scale, config), inputs)
+        sizes = _attempt(_memory, ours_fn, inputs)
         memory[name] = {"seq_len": seq_len,
                         **(sizes or {"error": "no memory analysis"})}
   report = {"meta": meta, "results": results,

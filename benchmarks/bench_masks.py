@@ -173,19 +173,17 @@ def main(argv=None):
   for seq in (4096, 8192, 16384) if "causal" in args.parts else ():
     batch = 16384 // seq
     q, k, v = inputs(batch, seq, HEADS, D, D)
-    dense_ms, _ = time_fn(lambda q, k, v: pa.attention(q, k, v), q, k, v)
-    causal_ms, _ = time_fn(lambda q, k, v: pa.attention(q, k, v, mask_mod=causal), q, k, v)
-    ref_ms, _ = time_fn(lambda q, k, v: pallas_ref.mha(
-        q, k, v, None, sm_scale=D ** -0.5, causal=True), q, k, v)
+    dense = lambda q, k, v: pa.attention(q, k, v)
+    causal_fn = lambda q, k, v: pa.attention(q, k, v, mask_mod=causal)
+    ref = lambda q, k, v: pallas_ref.mha(q, k, v, None, sm_scale=D ** -0.5, causal=True)
     cudnn_ms, _ = time_fn(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn"), q, k, v)
-    row = dict(seq=seq, batch=batch, dense_ms=dense_ms, causal_ms=causal_ms,
-               pallas_ref_causal_ms=ref_ms, cudnn_causal_ms=cudnn_ms,
-               dense_kernel_ms=device_ms(lambda q, k, v: pa.attention(q, k, v), q, k, v),
-               causal_kernel_ms=device_ms(
-                   lambda q, k, v: pa.attention(q, k, v, mask_mod=causal), q, k, v),
-               pallas_ref_causal_kernel_ms=device_ms(lambda q, k, v: pallas_ref.mha(
-                   q, k, v, None, sm_scale=D ** -0.5, causal=True), q, k, v))
+    row = dict(seq=seq, batch=batch, dense_ms=time_fn(dense, q, k, v)[0],
+               causal_ms=time_fn(causal_fn, q, k, v)[0],
+               pallas_ref_causal_ms=time_fn(ref, q, k, v)[0], cudnn_causal_ms=cudnn_ms,
+               dense_kernel_ms=device_ms(dense, q, k, v),
+               causal_kernel_ms=device_ms(causal_fn, q, k, v),
+               pallas_ref_causal_kernel_ms=device_ms(ref, q, k, v))
     results["causal"].append(row)
     print(json.dumps(row), flush=True)
 
@@ -226,8 +224,9 @@ def main(argv=None):
     flops = attention_flops(batch, HEADS, seq, seq, D, D, density=density(kw.get("mask_mod"), seq))
     if "mask_mod" in kw:  # built once and reused, as FlexAttention's block masks are
       kw = dict(kw, block_mask=pa.block_mask(kw["mask_mod"], batch, HEADS, seq, seq))
-    ours, err = time_fn(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
-    ours_kernel = device_ms(lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw), q, k, v)
+    ours_fn = lambda q, k, v, kw=kw: pa.attention(q, k, v, **kw)
+    ours, err = time_fn(ours_fn, q, k, v)
+    ours_kernel = device_ms(ours_fn, q, k, v)
     dense_kw = {key: val for key, val in kw.items() if key != "block_mask"}
     xla, _ = time_fn(lambda q, k, v: pa.attention_reference(q, k, v, **dense_kw), q, k, v)
     peer, cudnn, cudnn_kernel = cudnn_peer(name, batch, seq), None, None

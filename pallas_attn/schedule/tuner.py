@@ -255,6 +255,7 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   if template not in ATTENTION_TEMPLATES:
     raise ValueError(f"attention templates are {ATTENTION_TEMPLATES}, got {template!r}")
   shape = ProblemShape.from_shapes(q_shape, k_shape, v_shape, dtype)
+  block_sparse = mask_mod is not None  # the masked heuristic is the baseline
   fingerprint = analyze_variant(score_mod=score_mod, mask_mod=mask_mod,
                                 rownorm=rownorm).fingerprint()
   q, k, v, dout = _random_inputs(shape, seed)
@@ -269,8 +270,7 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
     if forward_config is None:
       forward_config = (cache.lookup_config("forward", fingerprint, q_shape=q_shape,
                                             k_shape=k_shape, v_shape=v_shape, dtype=dtype)
-                        or default_config("forward", shape,
-                                          block_sparse=mask_mod is not None))
+                        or default_config("forward", shape, block_sparse=block_sparse))
     apply_pullback = jax.jit(lambda pullback, cotangent: pullback(cotangent))
 
     def build(config):
@@ -279,5 +279,5 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
           functools.partial(call, config=forward_config, bwd_config=config), q, k, v)
       return lambda: apply_pullback(pullback, dout)
 
-  return tune_template(template, fingerprint, build, shape,
-                       block_sparse=mask_mod is not None, **tuning)
+  return tune_template(template, fingerprint, build, shape, block_sparse=block_sparse,
+                       **tuning)
