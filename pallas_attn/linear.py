@@ -49,8 +49,10 @@ States are float32 [B, H, Dk', Dv]; with `normalize=True` they carry the
 normaliser z as one extra last column, [B, H, Dk', Dv + 1].
 
 Checks: shapes, dtypes and feature maps are validated eagerly; that
-`log_decay <= 0` is checked only for concrete arrays (under `jax.jit` or
-`jax.grad` it is a tracer and cannot be inspected). `-inf` (a hard reset)
+`log_decay <= 0` is checked only for concrete arrays, also ones a jitted
+function closes over (an argument of `jax.jit` or `jax.grad` is a tracer and
+cannot be inspected); a device array is read once while it lives, so eager
+calls that reuse it do not sync. `-inf` (a hard reset)
 is allowed; step log decays below -100 count as -100 (exp(-100) underflows
 float32 anyway).
 

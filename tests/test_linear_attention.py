@@ -354,6 +354,45 @@ def test_under_jit():
   assert_close(o, o_ref, 1e-5)
 
 
+@pytest.mark.parametrize("kind", ["per_head", "scalar", "vector"])
+@pytest.mark.parametrize("host", [False, True], ids=["device", "numpy"])
+def test_closed_over_log_decay_under_jit(kind, host):
+  """A concrete log_decay closed over by a jitted function is ordinary JAX:
+  its value is checked on the host, not through a staged jnp op."""
+  q, k, v = _inputs()
+  log_decay = _log_decay(kind, 16)
+  if host:
+    log_decay = np.asarray(log_decay)
+  fn = jax.jit(lambda q, k, v: linear_attention(q, k, v, log_decay=log_decay,
+                                                chunk_size=CHUNK))
+  o_ref, _ = linear_attention_reference(q, k, v, log_decay=jnp.asarray(log_decay))
+  assert_close(fn(q, k, v), o_ref, 1e-5)
+  positive = -log_decay
+  with pytest.raises(ValueError, match="<= 0"):
+    jax.jit(lambda q, k, v: linear_attention(q, k, v, log_decay=positive))(q, k, v)
+
+
+def test_device_log_decay_is_read_once_per_array(monkeypatch):
+  """Eager calls reusing one device array do not copy it to the host again."""
+  from pallas_attn.spec import linear as spec_lib
+  q, k, v = _inputs()
+  log_decay = _log_decay("scalar", 17)
+  reads = []
+
+  class CountingNumpy:
+    def __getattr__(self, name):
+      return getattr(np, name)
+
+    def asarray(self, x, *args, **kwargs):
+      reads.append(1)
+      return np.asarray(x, *args, **kwargs)
+
+  monkeypatch.setattr(spec_lib, "np", CountingNumpy())
+  for _ in range(3):
+    linear_attention(q, k, v, log_decay=log_decay, chunk_size=CHUNK)
+  assert len(reads) == 1
+
+
 @pytest.mark.parametrize("kind", ["scalar", "vector"])
 def test_chunked_jnp_baseline_matches_reference(kind):
   q, k, v = _inputs(seq_len=32)

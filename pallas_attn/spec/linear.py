@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -100,13 +101,44 @@ def is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
+# Device arrays whose largest entry was read, by id (weakly held): one
+# device-to-host copy per array, not one per call that reuses it.
+_READ_DECAYS: dict[int, tuple[weakref.ref, float]] = {}
+
+
+def _largest_entry(log_decay) -> float | None:
+  """The largest entry of a concrete `log_decay`, read with NumPy; None for
+  a tracer (under jit/grad/vmap, unknown) or an empty array.
+
+  Also right when a concrete array is closed over by a jitted function: the
+  value is read on the host, never through a staged jnp op. A device array
+  is read once and remembered while it lives.
+  """
+  if is_traced(log_decay) or log_decay.size == 0:
+    return None
+  if isinstance(log_decay, np.ndarray):
+    return float(np.max(log_decay))
+  key = id(log_decay)
+  known = _READ_DECAYS.get(key)
+  if known is not None and known[0]() is log_decay:
+    return known[1]
+  largest = float(np.max(np.asarray(log_decay)))
+  try:
+    ref = weakref.ref(log_decay, lambda _, key=key: _READ_DECAYS.pop(key, None))
+  except TypeError:  # not weakly referenceable: read every time
+    return largest
+  _READ_DECAYS[key] = (ref, largest)
+  return largest
+
+
 def classify_decay(log_decay, batch: int, seq_len: int, heads: int,
                    d_feature: int, *, step: bool = False) -> str:
   """The decay kind of `log_decay` (one of DECAY_*), after checking it.
 
   Positive entries (growing states) are rejected when the values are
-  concrete; under `jax.jit`/`jax.grad` they are tracers and cannot be
-  checked, so the caller is responsible for log_decay <= 0 there.
+  concrete (see `_largest_entry`); under `jax.jit`/`jax.grad` a log_decay
+  passed as an argument is a tracer and cannot be checked, so the caller is
+  responsible for log_decay <= 0 there.
   """
   if log_decay is None:
     return DECAY_NONE
@@ -132,13 +164,12 @@ def classify_decay(log_decay, batch: int, seq_len: int, heads: int,
         "(Dk' is the key width after k_mod).")
   if not jnp.issubdtype(log_decay.dtype, jnp.floating):
     raise TypeError(f"{name} must be floating point, got {log_decay.dtype}.")
-  if not is_traced(log_decay):
-    largest = float(jnp.max(log_decay))  # one scalar comes back to the host
-    if not largest <= 0:
-      raise ValueError(
-          f"{name} must be <= 0 (a log of a decay factor in (0, 1]); its "
-          f"largest entry is {largest}. Pass e.g. jax.nn.log_sigmoid(gate) "
-          "or -softplus(x).")
+  largest = _largest_entry(log_decay)
+  if largest is not None and not largest <= 0:
+    raise ValueError(
+        f"{name} must be <= 0 (a log of a decay factor in (0, 1]); its "
+        f"largest entry is {largest}. Pass e.g. jax.nn.log_sigmoid(gate) "
+        "or -softplus(x).")
   return kind
 
 
