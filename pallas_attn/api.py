@@ -85,7 +85,8 @@ def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) ->
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
-              block_mask=None, config=None, bwd_config=None, interpret=None, return_lse=False):
+              sinks=None, block_mask=None, config=None, bwd_config=None, interpret=None,
+              return_lse=False):
   """Attention with a user-defined variant, as one fused Pallas kernel.
 
   Layout as `jax.nn.dot_product_attention`: q `[B, Sq, Hq, Dqk]`, k
@@ -101,6 +102,11 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
     rownorm: "softmax", "sigmoid", "relu", "none", or a callable on a row
       of scores (analyzed; it must be online-decomposable).
     scale: defaults to `1 / sqrt(Dqk)`.
+    sinks: attention sinks (gpt-oss, StreamingLLM): float `[Hq]` logits,
+      one per query head, each adding `exp(sinks[h])` to its rows' softmax
+      denominator (a key of value 0 that every query sees). Differentiable.
+      Softmax rownorms only; a rownorm written with a constant sink term
+      (`exp(K - m) + sum(exp(s - m))`) is recognized by itself.
     block_mask: a `BlockMask` from `pallas_attn.block_mask` for the same
       mask_mod, reused across calls.
     config: an `AttentionConfig`, "auto" or None (tuned cache entry if any,
@@ -111,7 +117,7 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       its own, with tile lists re-tiled from the same mask.
     interpret: None runs Pallas interpret mode on CPU and Triton on GPU.
     return_lse: also return the row statistic `[B, Hq, Sq]` float32:
-      log-sum-exp for softmax, the divisor h(stats) for normalized
+      log-sum-exp for softmax (the sink's term included), the divisor h(stats) for normalized
       rownorms, None for elementwise rownorms.
 
   Masked positions get weight 0 under every rownorm and add nothing to row
@@ -131,10 +137,31 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
     fwd_mask, bwd_mask = block_masks
     cfg = dataclasses.replace(cfg, block_q=fwd_mask.block_q, block_k=fwd_mask.block_k)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
-  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, interpret)
+  sinks = _resolve_sinks(sinks, analysis, q.shape[2])
+  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)
+
+
+def _resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
+  """The `[Hq]` float32 sink logits the kernel starts rows at, or None:
+  the caller's array, else the constant a recognized rownorm wrote."""
+  rownorm = analysis.rownorm
+  if sinks is None:
+    return None if rownorm.sink is None else jnp.full((heads,), rownorm.sink, jnp.float32)
+  if rownorm.kind != "softmax":
+    raise ValueError(f"sinks add a term to a softmax denominator; rownorm "
+                     f"'{rownorm.name}' is {rownorm.kind}")
+  if rownorm.sink is not None:
+    raise ValueError(f"rownorm '{rownorm.name}' already has a sink term (logit "
+                     f"{rownorm.sink:g}); pass sinks or write one in the rownorm, not both")
+  if getattr(sinks, "shape", None) != (heads,):
+    raise ValueError(f"sinks must be [Hq] = [{heads}], one logit per query head; got shape "
+                     f"{getattr(sinks, 'shape', type(sinks).__name__)}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be floating point; got {sinks.dtype}")
+  return sinks
 
 
 def _mask_only(analysis: VariantAnalysis) -> VariantAnalysis:
@@ -194,7 +221,7 @@ def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):
                      f"({batch}, {heads})")
 
 
-def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, interpret):
+def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret):
   """Pads to the blocks of both passes, runs the differentiable core, unpads."""
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
@@ -210,5 +237,5 @@ def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, interpret):
       config=cfg, bwd_config=bwd_cfg, interpret=interpret)
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
                  for prog in (analysis.score_mod, analysis.mask_mod))
-  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, spec=spec)
+  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

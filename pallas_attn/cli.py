@@ -153,10 +153,14 @@ def cmd_explain(args) -> int:
   from pallas_attn.schedule.device import device_config
   from pallas_attn.spec.analysis import analyze_variant
   shape = _shape(args)
-  analysis = analyze_variant(**load_variant(args.variant, shape))
+  variant = load_variant(args.variant, shape)
+  sinks = variant.pop("sinks", None)
+  analysis = analyze_variant(**variant)
   device = device_config()
   print(f"variant {args.variant}")
   print(analysis.describe())
+  if sinks is not None:
+    print(f"sinks: {list(sinks.shape)} logits, one per query head, start each row's softmax state")
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
   for template in args.templates:
     config, source = _chosen_config(template, analysis, shape)

@@ -42,12 +42,13 @@ def dense_mask(mask_mod, batch, heads, seq_q, seq_kv):
 
 
 def attention_reference(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax",
-                        scale=None, masked_fill=-jnp.inf, return_lse=False):
+                        scale=None, sinks=None, masked_fill=-jnp.inf, return_lse=False):
   """Dense attention with the semantics of `pallas_attn.attention`.
 
   Masked positions enter the rownorm as `masked_fill` (-inf suits softmax
   and the elementwise rownorms; pass 0.0 for sum-normalized rownorms such as
-  RetNet's) and get weight 0. Fully masked rows give zeros.
+  RetNet's) and get weight 0. Fully masked rows give zeros. `sinks` `[Hq]`
+  enter as one more key column of those scores, dropped after the rownorm.
   """
   batch, seq_q, heads, _ = q.shape
   s = dense_scores(q, k, score_mod=score_mod, scale=scale)
@@ -56,8 +57,14 @@ def attention_reference(q, k, v, *, score_mod=None, mask_mod=None, rownorm="soft
   if mask_mod is not None:
     keep = dense_mask(mask_mod, batch, heads, seq_q, k.shape[1])
     s = jnp.where(keep, s, masked_fill)
+  if sinks is not None:
+    sink_column = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None],
+                                   s.shape[:3] + (1,))
+    s = jnp.concatenate([s, sink_column], axis=-1)
   w = fn(s)
   lse = jax.nn.logsumexp(s, axis=-1) if rownorm == "softmax" or fn is jax.nn.softmax else None
+  if sinks is not None:
+    w = w[..., :-1]
   if keep is not None:
     w = jnp.where(keep, w, 0.0)
     w = jnp.where(jnp.any(keep, axis=-1, keepdims=True), w, 0.0)

@@ -4,7 +4,8 @@ Each constructor returns a `Variant`; pass it as
 `pallas_attn.attention(q, k, v, **variant.kwargs())`. Variants compose with
 `+` (or `compose`): score_mods chain in order, mask_mods are ANDed, and at
 most one rownorm may differ from softmax, e.g.
-`softcap(30.0) + sliding_window(256) + document(segment_ids)`.
+`softcap(30.0) + sliding_window(256) + document(segment_ids)`. A variant
+with attention sinks (`sink`) also passes `sinks`.
 
 Positions when Sq != Skv: constructors that take `seq_q` / `seq_kv` align
 queries bottom-right, as FlashAttention 2.1+ does: query i sits at absolute
@@ -28,15 +29,20 @@ DEFAULT_ROWNORM = "softmax"
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """A named attention variant: the three callables of `attention`."""
+  """A named attention variant: the three callables of `attention`, and
+  per-head sink logits where it has them."""
   name: str
   score_mod: Callable | None = None
   mask_mod: Callable | None = None
   rownorm: str | Callable = DEFAULT_ROWNORM
+  sinks: jax.Array | None = None
 
   def kwargs(self) -> dict:
     """`attention` keyword arguments: `attention(q, k, v, **variant.kwargs())`."""
-    return dict(score_mod=self.score_mod, mask_mod=self.mask_mod, rownorm=self.rownorm)
+    kwargs = dict(score_mod=self.score_mod, mask_mod=self.mask_mod, rownorm=self.rownorm)
+    if self.sinks is not None:
+      kwargs["sinks"] = self.sinks
+    return kwargs
 
   def __add__(self, other):
     if not isinstance(other, Variant):
@@ -71,7 +77,8 @@ def _and_mask_mods(mods):
 
 def compose(*variants: Variant) -> Variant:
   """One variant applying all of `variants`: score_mods in order, mask_mods
-  ANDed, and the one rownorm that is not softmax (ValueError if two differ)."""
+  ANDed, the one rownorm that is not softmax (ValueError if two differ) and
+  the one variant's sinks (ValueError if two have them)."""
   score_mods = [v.score_mod for v in variants if v.score_mod is not None]
   mask_mods = [v.mask_mod for v in variants if v.mask_mod is not None]
   rownorms = []
@@ -80,10 +87,15 @@ def compose(*variants: Variant) -> Variant:
       rownorms.append(v.rownorm)
   if len(rownorms) > 1:
     raise ValueError(f"cannot compose variants with different rownorms: {rownorms}")
+  sinks = [v.sinks for v in variants if v.sinks is not None]
+  if len(sinks) > 1:
+    raise ValueError("cannot compose two variants with sinks; give one the sum of the "
+                     "logsumexp of both")
   return Variant(name="+".join(v.name for v in variants) or "vanilla",
                  score_mod=_chain_score_mods(score_mods) if score_mods else None,
                  mask_mod=_and_mask_mods(mask_mods) if mask_mods else None,
-                 rownorm=rownorms[0] if rownorms else DEFAULT_ROWNORM)
+                 rownorm=rownorms[0] if rownorms else DEFAULT_ROWNORM,
+                 sinks=sinks[0] if sinks else None)
 
 
 def _query_offset(seq_q, seq_kv) -> int:
@@ -275,6 +287,29 @@ def relu(scale=None, *, seq_kv=None) -> Variant:
   def score_mod(score, b, h, q_idx, kv_idx):
     return score * scale
   return Variant("relu", score_mod=score_mod, rownorm="relu")
+
+
+def sink(sink_logits) -> Variant:
+  """Attention sinks (gpt-oss; StreamingLLM, Xiao et al. 2024): a learned
+  logit per query head added to the softmax denominator,
+  `out = sum_j exp(s_j) v_j / (exp(sink[h]) + sum_j exp(s_j))`, so a query
+  can put weight on "no key". `sink_logits`: float `[Hq]`; their gradient
+  flows. A constant sink for every head (the "off-by-one" softmax, logit 0)
+  is `off_by_one_softmax` as the rownorm.
+  """
+  sinks = jnp.asarray(sink_logits)
+  if sinks.ndim != 1 or not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sink logits must be a float [num_heads] array; got {sinks.dtype} "
+                     f"{sinks.shape}")
+  return Variant("sink", sinks=sinks)
+
+
+def off_by_one_softmax(row):
+  """Softmax with a sink of logit 0: `exp(s) / (1 + sum(exp(s)))` (Miller's
+  "attention is off by one"), written stably; the analyzer runs it online."""
+  m = jax.lax.stop_gradient(jnp.max(row, axis=-1, keepdims=True))
+  e = jnp.exp(row - m)
+  return e / (jnp.exp(-m) + jnp.sum(e, axis=-1, keepdims=True))
 
 
 def retention_norm(row):

@@ -64,10 +64,16 @@ class OnlineRowNorm:
       return x * (self.rownorm.logit_scale * LOG2E)
     return x
 
-  def init(self, rows: int, dv: int):
+  def init(self, rows: int, dv: int, sink2=None):
+    """The empty row state. Softmax with a sink (a log2-domain logit) starts
+    as if one key of that logit and value 0 had been folded in."""
     acc = jnp.zeros((rows, dv), jnp.float32)
     if self.kind == "softmax":
-      return (acc, jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+      if sink2 is None:
+        return (acc, jnp.full((rows, 1), -jnp.inf, jnp.float32),
+                jnp.zeros((rows, 1), jnp.float32))
+      m = jnp.broadcast_to(jnp.asarray(sink2, jnp.float32), (rows, 1))
+      return (acc, m, jnp.where(m == -jnp.inf, 0.0, 1.0))
     stats = tuple(jnp.full((rows, 1), 0.0 if st.reducer == "sum" else -jnp.inf, jnp.float32)
                   for st in self.rownorm.stats)
     argmaxes = tuple(jnp.full((rows, 1), -1.0, jnp.float32) for _ in self._max_stats())

@@ -43,6 +43,7 @@ class ForwardPlan:
   fp32_exact: bool
   block_sparse: bool    # kv blocks come from a block mask
   fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
+  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
 
   @property
   def online(self) -> OnlineRowNorm:
@@ -76,6 +77,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
   n_caps = len(plan.operands)
   cap_refs = refs[:n_caps]
   rest = refs[n_caps:]
+  sink2 = None
+  if plan.has_sink:
+    sink2, rest = rest[0][...], rest[1:]
   lists = None
   if plan.block_sparse:
     partial_num_ref, partial_idx_ref, full_num_ref, full_idx_ref = rest[:4]
@@ -104,7 +108,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
     return online.update(state, s, keep, v, kv_idx=kv_idx, log2_logits=s if fold else None)
 
   num_plain = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // bk
-  state = tiles.visit_blocks(fold_block, online.init(bq, v_ref.shape[-1]), lists=lists,
+  state = tiles.visit_blocks(fold_block, online.init(bq, v_ref.shape[-1], sink2), lists=lists,
                              num_plain=num_plain, num_blocks=plan.num_kv_blocks)
   out, stat = online.finalize(state)
   o_ref[...] = out.astype(o_ref.dtype)
@@ -114,12 +118,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
       row_stats_ref[n, :] = value[:, 0]
 
 
-def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
+def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardPlan,
             config: AttentionConfig, interpret: bool):
   """Runs the forward kernel on padded inputs.
 
   q `[B, Sq_pad, Hq, Dqk_pad]`, k `[B, Skv_pad, Hkv, Dqk_pad]`, v
-  `[B, Skv_pad, Hkv, Dv_pad]`. Returns (out `[B, Sq_pad, Hq, Dv_pad]`,
+  `[B, Skv_pad, Hkv, Dv_pad]`; sinks `[Hq]` float32 natural-log sink
+  logits when `plan.has_sink`, else None. Returns (out `[B, Sq_pad, Hq, Dv_pad]`,
   row statistic `[B, Hq, Sq_pad]` float32, and for normalized rownorms the
   `OnlineRowNorm.row_statistics` `[B, Hq, n, Sq_pad]` that the backward
   needs, else None).
@@ -134,6 +139,10 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
   ]
   in_specs += [tiles.capture_block_spec(op, x.shape, blocked="q", block=bq)
                for op, x in zip(plan.operands, capture_arrays)]
+  sink_inputs = ()
+  if plan.has_sink:
+    sink_inputs = (sinks.astype(jnp.float32) * LOG2E,)
+    in_specs.append(pl.BlockSpec((None,), lambda i, b, h: (h,)))
   if plan.block_sparse:
     in_specs += block_mask_specs(block_mask_arrays)
   out_shape = [
@@ -160,7 +169,7 @@ def forward(q, k, v, capture_arrays, block_mask_arrays, *, plan: ForwardPlan,
       interpret=interpret,
       name="pallas_attn_forward",
   )
-  out, stat, *row_stats = call(q, k, v, *capture_arrays, *block_mask_arrays)
+  out, stat, *row_stats = call(q, k, v, *capture_arrays, *sink_inputs, *block_mask_arrays)
   return out, stat, (row_stats[0] if row_stats else None)
 
 

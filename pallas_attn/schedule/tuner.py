@@ -236,7 +236,7 @@ def tune_template(template: str, fingerprint: str, build: Callable, shape: Probl
 
 
 def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=None,
-                   mask_mod=None, rownorm="softmax", template: str = "forward",
+                   mask_mod=None, rownorm="softmax", sinks=None, template: str = "forward",
                    forward_config=None, interpret: bool | None = None, seed: int = 0,
                    **tuning) -> TuningResult:
   """Tunes `pallas_attn.attention` for this variant and these shapes; stores the winner.
@@ -260,7 +260,7 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
                                 rownorm=rownorm).fingerprint()
   q, k, v, dout = _random_inputs(shape, seed)
   call = functools.partial(attention, score_mod=score_mod, mask_mod=mask_mod,
-                           rownorm=rownorm, interpret=interpret)
+                           rownorm=rownorm, sinks=sinks, interpret=interpret)
 
   if template == "forward":
     def build(config):

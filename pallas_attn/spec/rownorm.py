@@ -9,6 +9,10 @@ into pieces the kernel can run per block:
   and any row constant `c`. Softmax is shift-invariant, so the kernel uses
   its own running max (the exp homomorphism `exp(x - m1) = exp(x - m2) *
   exp(m2 - m1)` rescales the partial sums) whatever `c` the user wrote.
+  With a sink, the denominator has one more term that no score enters:
+  `exp(K - c) + sum(exp(a(s) - c))` (or `L + sum(exp(a(s)))` unshifted),
+  an attention sink of logit K (gpt-oss, StreamingLLM; K = 0 is the
+  "off-by-one" softmax). The kernel starts each row's state at it.
 * normalized: `w = g(s) / h(r_1, ..., r_n)` (or `g(s) * h(...)`) where each
   `r_i` is a row sum or max of an elementwise `f_i(s)`. The kernel
   accumulates `sum g(s) v` and the `r_i`, and divides in the epilogue
@@ -67,11 +71,13 @@ class RowNorm:
   factor: RowProgram | None = None  # h(stats), 'normalized' only
   combine: str = "div"  # weights = g / h ("div") or g * h ("mul")
   logit_scale: float = 1.0  # 'softmax': ln 2 when the user wrote exp2
+  sink: float | None = None  # 'softmax': logit of a sink term, natural units
   traced: TracedFn | None = None
 
   def describe(self) -> str:
     if self.kind == "softmax":
-      return "softmax (online: running max, rescaled sum; exp homomorphism)"
+      sink = "" if self.sink is None else f", sink exp({self.sink:g}) in the denominator"
+      return f"softmax (online: running max, rescaled sum; exp homomorphism{sink})"
     if self.kind == "elementwise":
       return "elementwise (weights = g(score), no row state)"
     stats = ", ".join(f"{s.reducer}(f_{i}(score))" for i, s in enumerate(self.stats))
@@ -132,15 +138,60 @@ def _structure(jaxpr):
   return key
 
 
+def _split_sink(den, source):
+  """(the reduce_sum eqn, the extra term or None) of a softmax denominator
+  `sum(...)` or `extra + sum(...)`; None if it is neither."""
+  den_eqn, _ = source(den)
+  if den_eqn is None:
+    return None
+  if den_eqn.primitive.name == "reduce_sum":
+    return den_eqn, None
+  if den_eqn.primitive.name != "add":
+    return None
+  for summed, extra in (den_eqn.invars, den_eqn.invars[::-1]):
+    summed_eqn, _ = source(summed)
+    if summed_eqn is not None and summed_eqn.primitive.name == "reduce_sum":
+      return summed_eqn, extra
+  return None
+
+
+def _sink_logit(extra, exp_name, shift, source, structure):
+  """The logit K of a sink term, in the units of `exp_name`'s argument:
+  `exp(K - shift)` (`exp(-shift)` for K = 0), or without a shift a positive
+  constant L = exp(K); None when `extra` is no such term."""
+  _, root = source(extra)
+  if is_literal(root):
+    value = float(root.val)
+    if shift is not None or not value > 0:
+      return None
+    return math.log(value) if exp_name == "exp" else math.log2(value)
+  eqn, _ = source(root)
+  if eqn is None or eqn.primitive.name != exp_name:
+    return None
+  arg_eqn, arg = source(eqn.invars[0])
+  if shift is None:
+    return float(arg.val) if is_literal(arg) else None
+  if arg_eqn is None:
+    return None
+  if arg_eqn.primitive.name == "neg" and structure(arg_eqn.invars[0]) == structure(shift):
+    return 0.0
+  if (arg_eqn.primitive.name == "sub" and is_literal(arg_eqn.invars[0])
+      and structure(arg_eqn.invars[1]) == structure(shift)):
+    return float(arg_eqn.invars[0].val)
+  return None
+
+
 def _match_softmax(jaxpr, level, source, structure):
-  """Matches out = exp(a(s) - c) / sum(exp(a(s) - c)); returns the logit var."""
+  """Matches out = exp(a(s) - c) / (sink + sum(exp(a(s) - c))); returns
+  (the logit var, whether the base is 2, the sink logit in natural units or None)."""
   out_eqn, _ = source(jaxpr.outvars[0])
   if out_eqn is None or out_eqn.primitive.name != "div":
     return None
   num, den = out_eqn.invars
-  den_eqn, _ = source(den)
-  if den_eqn is None or den_eqn.primitive.name != "reduce_sum":
+  split = _split_sink(den, source)
+  if split is None:
     return None
+  den_eqn, extra = split
   _, num_root = source(num)
   _, summed_root = source(den_eqn.invars[0])
   if structure(num_root) != structure(summed_root):
@@ -150,6 +201,7 @@ def _match_softmax(jaxpr, level, source, structure):
     return None
   arg = exp_eqn.invars[0]
   sub_eqn, _ = source(arg)
+  shift = None
   if sub_eqn is not None and sub_eqn.primitive.name == "sub":
     logit, shift = sub_eqn.invars
     if level(logit) != (True, False) or level(shift)[0]:
@@ -158,7 +210,14 @@ def _match_softmax(jaxpr, level, source, structure):
     logit = arg
   else:
     return None
-  return logit, exp_eqn.primitive.name == "exp2"
+  base2 = exp_eqn.primitive.name == "exp2"
+  sink = None
+  if extra is not None:
+    sink = _sink_logit(extra, exp_eqn.primitive.name, shift, source, structure)
+    if sink is None:
+      return None
+    sink *= math.log(2.0) if base2 else 1.0
+  return logit, base2, sink
 
 
 def _match_normalized(jaxpr, level, source, traced):
@@ -217,14 +276,16 @@ def analyze_rownorm(rownorm) -> RowNorm:
                    traced=traced)
   softmax = _match_softmax(jaxpr, level, source, _structure(jaxpr))
   if softmax is not None:
-    logit, base2 = softmax
+    logit, base2, sink = softmax
     return RowNorm("softmax", name, RowProgram(traced, (score,), logit),
-                   logit_scale=math.log(2.0) if base2 else 1.0, traced=traced)
+                   logit_scale=math.log(2.0) if base2 else 1.0, sink=sink, traced=traced)
   normalized = _match_normalized(jaxpr, level, source, traced)
   if normalized is None:
     raise VariantError(
         f"rownorm '{name}' is not online-decomposable: supported forms are "
-        "an elementwise g(s); softmax-like exp(a(s) - c) / sum(exp(a(s) - c)); "
+        "an elementwise g(s); softmax-like exp(a(s) - c) / sum(exp(a(s) - c)), "
+        "optionally with a sink term in the denominator, exp(K - c) + sum(...) "
+        "for a constant K (per-head sinks: attention(..., sinks=logits)); "
         "or g(s) / h(row sums or maxes of elementwise f(s)). The output here "
         "mixes row statistics and scores in another way.")
   weights, factor, combine, stats, stat_vars = normalized

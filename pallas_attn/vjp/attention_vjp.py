@@ -12,6 +12,11 @@ them into the per-row inputs of the backward kernels (see
 vjp/parallel_backward.py); the normalized class differentiates its row
 factor h(stats) here, with `jax.vjp` on `[B, H, Sq]` arrays.
 
+Sink logits (softmax with an extra denominator term per head) act as one
+more key of value 0: the forward starts each row's state at it, the lse
+includes it, and its gradient is `-sum_rows exp(sink - lse) * delta`, an
+XLA reduction over the saved row statistics.
+
 Captured float arrays get gradients only when they are differentiated
 (`symbolic_zeros` tells which); the kernels write partials laid out by their
 grids and `_capture_gradient` sums them over the axes the array is not
@@ -52,26 +57,27 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse: bool) -> dict:
+def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse: bool,
+                 has_sink: bool) -> dict:
   return dict(analysis=spec.analysis, operands=operands, scale=spec.scale, seq_q=spec.seq_q,
               seq_kv=spec.seq_kv, block_q=config.block_q, block_k=config.block_k,
               num_kv_blocks=_cdiv(spec.seq_kv, config.block_k), group=spec.group,
               fp32_exact=spec.fp32_exact, block_sparse=block_sparse,
-              fast_math=not (spec.fp32_exact or spec.interpret))
+              fast_math=not (spec.fp32_exact or spec.interpret), has_sink=has_sink)
 
 
-def _forward(spec: CoreSpec, q, k, v, consts, block_mask):
+def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
   capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts)
   plan = parallel_forward.ForwardPlan(
-      **_plan_fields(spec, spec.config, operands, block_mask is not None))
+      **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
   lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
-  return parallel_forward.forward(q, k, v, capture_arrays, lists, plan=plan,
+  return parallel_forward.forward(q, k, v, capture_arrays, sinks, lists, plan=plan,
                                   config=spec.config, interpret=spec.interpret)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["q", "k", "v", "consts", "block_mask", "out", "stat", "row_stats"],
+    data_fields=["q", "k", "v", "consts", "block_mask", "sinks", "out", "stat", "row_stats"],
     meta_fields=["differentiated"])
 @dataclasses.dataclass(frozen=True)
 class _Residuals:
@@ -80,30 +86,32 @@ class _Residuals:
   v: jax.Array
   consts: tuple          # (score_mod's captured arrays, mask_mod's)
   block_mask: object     # the backward's BlockMask or None
+  sinks: jax.Array | None  # [Hq] sink logits
   out: jax.Array
   stat: jax.Array
   row_stats: jax.Array | None
   differentiated: tuple  # per score_mod capture: whether it needs a gradient
 
 
-def attention_core(q, k, v, consts, block_masks, *, spec: CoreSpec):
+def attention_core(q, k, v, consts, block_masks, sinks, *, spec: CoreSpec):
   """Differentiable attention on padded inputs.
 
   q `[B, Sq_pad, Hq, Dqk_pad]`, k `[B, Skv_pad, Hkv, Dqk_pad]`, v
   `[B, Skv_pad, Hkv, Dv_pad]`, sequence lengths padded to multiples of the
   blocks of both passes; consts: (score_mod's captured arrays, mask_mod's);
   block_masks: (forward, backward) BlockMasks with the blocks of each
-  pass's config, or None.
+  pass's config, or None; sinks: `[Hq]` float32 sink logits (softmax) or
+  None.
   Returns (out `[B, Sq_pad, Hq, Dv_pad]`, row statistic `[B, Hq, Sq_pad]`).
   """
   core = jax.custom_vjp(functools.partial(_primal, spec))
   core.defvjp(functools.partial(_core_fwd, spec), functools.partial(_core_bwd, spec),
               symbolic_zeros=True)
-  return core(q, k, v, consts, block_masks)
+  return core(q, k, v, consts, block_masks, sinks)
 
 
-def _primal(spec, q, k, v, consts, block_masks):
-  out, stat, _ = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0))
+def _primal(spec, q, k, v, consts, block_masks, sinks):
+  out, stat, _ = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0), sinks)
   return out, stat
 
 
@@ -112,16 +120,16 @@ def _pass_mask(block_masks, n: int):
   return None if block_masks is None else block_masks[n]
 
 
-def _core_fwd(spec, q, k, v, consts, block_masks):
+def _core_fwd(spec, q, k, v, consts, block_masks, sinks):
   score_consts = consts[0]
   differentiated = tuple(
       c.perturbed and jnp.issubdtype(jnp.result_type(c.value), jnp.floating)
       for c in score_consts)
-  q, k, v, consts, block_masks = jax.custom_derivatives.custom_vjp_primal_tree_values(
-      (q, k, v, consts, block_masks))
-  out, stat, row_stats = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0))
-  return (out, stat), _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), out, stat,
-                                 row_stats, differentiated)
+  q, k, v, consts, block_masks, sinks = jax.custom_derivatives.custom_vjp_primal_tree_values(
+      (q, k, v, consts, block_masks, sinks))
+  out, stat, row_stats = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0), sinks)
+  return (out, stat), _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), sinks, out,
+                                 stat, row_stats, differentiated)
 
 
 def _is_zero(ct) -> bool:
@@ -140,7 +148,7 @@ def _core_bwd(spec, res: _Residuals, cotangents):
                      if res.differentiated[use.capture] else None for use in score_uses)
   cfg = spec.bwd_config
   plan = parallel_backward.BackwardPlan(
-      **_plan_fields(spec, cfg, operands, res.block_mask is not None),
+      **_plan_fields(spec, cfg, operands, res.block_mask is not None, res.sinks is not None),
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
   rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
   dq, dk, dv, partials = parallel_backward.backward(
@@ -159,7 +167,16 @@ def _core_bwd(spec, res: _Residuals, cotangents):
     grads[use.capture] = g
   score_grads = tuple(None if g is None else g.astype(jnp.result_type(c))
                       for g, c in zip(grads, score_consts))
-  return dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None
+  return (dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None,
+          None if res.sinks is None else _sink_gradient(res.sinks, res.stat, rows, spec.seq_q))
+
+
+def _sink_gradient(sinks, lse, rows, seq_q: int):
+  """d loss / d sinks `[Hq]`: a sink is a key of value 0, so its score
+  gradient is `p_sink * (0 - delta)` with `p_sink = exp(sink - lse)`."""
+  delta = rows[:, :, 1, :seq_q]
+  p_sink = jnp.exp(sinks[None, :, None].astype(jnp.float32) - lse[:, :, :seq_q])
+  return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
 
 
 def row_terms(rownorm: RowNorm, out, d_out, stat, row_stats, d_stat):
