@@ -3,7 +3,9 @@
 * Captured arrays: each `CaptureUse` becomes one kernel operand whose
   BlockSpec follows its addressing (a slope per head is one element, a
   `[B, Skv]` key bias is one row, a `[B, H, Sq, Skv]` bias is a q block by
-  the whole kv length that the kernel slices per kv block).
+  the whole kv length that the kernel slices per kv block). A gather's
+  operand has its gathered axes flattened into one last axis, passed whole,
+  and read at the tile's computed (clamped) positions.
 * `TileContext`: evaluates score_mod and mask_mod on a `[block_q, block_k]`
   tile with the in-kernel interpreter; the backward evaluates score_mod on
   capture values it passes in, so that it can differentiate with respect to
@@ -19,8 +21,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
+from pallas_attn.schedule.config import next_power_of_2
 from pallas_attn.spec import blockeval
 from pallas_attn.spec.analysis import VariantAnalysis
+from pallas_attn.spec.captures import GATHERED
 
 
 def _pad_axis(x, axis, length):
@@ -35,8 +39,34 @@ def _pad_axis(x, axis, length):
 @dataclasses.dataclass(frozen=True)
 class CaptureOperand:
   """One captured-array read as a kernel operand."""
-  axes: tuple      # per array axis: 'b' | 'h' | 'q' | 'kv' | int
+  axes: tuple      # per operand axis: 'b' | 'h' | 'q' | 'kv' | int | GATHERED (last)
   is_bool: bool
+  gather_dims: tuple = ()  # sizes of the array axes flattened into the GATHERED axis
+
+  @property
+  def is_gather(self) -> bool:
+    return bool(self.gather_dims)
+
+  def flat_index(self, indices):
+    """Position in the flattened gathered axis of per-axis index tiles,
+    each clamped into its axis (as `dynamic_slice` clamps)."""
+    flat, stride = 0, 1
+    for index, dim in reversed(list(zip(indices, self.gather_dims))):
+      flat = flat + jnp.clip(index.astype(jnp.int32), 0, dim - 1) * stride
+      stride *= dim
+    return jnp.asarray(flat, jnp.int32)
+
+
+def _flatten_gathered(x, axes):
+  """(array with the GATHERED axes moved last, flattened and zero-padded to
+  a power of two; operand axes; sizes of the gathered axes)."""
+  kept = [n for n, a in enumerate(axes) if a != GATHERED]
+  gathered = [n for n, a in enumerate(axes) if a == GATHERED]
+  dims = tuple(x.shape[n] for n in gathered)
+  x = jnp.transpose(x, kept + gathered).reshape([x.shape[n] for n in kept] + [-1])
+  size = x.shape[-1]
+  x = jnp.pad(x, [(0, 0)] * len(kept) + [(0, next_power_of_2(size) - size)])
+  return x, tuple(axes[n] for n in kept) + (GATHERED,), dims
 
 
 def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
@@ -60,6 +90,11 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
       is_bool = x.dtype == jnp.bool_
       if is_bool:
         x = x.astype(jnp.int32)
+      if use.is_gather:
+        x, axes, dims = _flatten_gathered(x, use.axes)
+        arrays.append(x)
+        operands.append(CaptureOperand(axes, is_bool, dims))
+        continue
       for axis, a in enumerate(use.axes):
         if a == "q":
           x = _pad_axis(x, axis, seq_q_pad)
@@ -80,7 +115,10 @@ def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: i
   """
   block_shape, picks = [], []
   for a, dim in zip(operand.axes, shape):
-    if a == blocked:
+    if a == GATHERED:
+      block_shape.append(dim)
+      picks.append(0)
+    elif a == blocked:
       block_shape.append(block)
       picks.append("i")
     elif a in ("q", "kv"):
@@ -124,6 +162,13 @@ def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, hea
   return x != 0 if operand.is_bool else x
 
 
+def gather_capture(ref, operand: CaptureOperand, flat, head=None):
+  """Reads a gather operand at flat positions `flat` (any tile shape);
+  `head` picks the head where the ref holds several."""
+  x = ref[flat] if head is None or "h" not in operand.axes else ref[head, flat]
+  return x != 0 if operand.is_bool else x
+
+
 @dataclasses.dataclass(frozen=True)
 class TileContext:
   """Evaluates the variant's elementwise programs on one tile."""
@@ -133,12 +178,32 @@ class TileContext:
   head_block: int = 1  # query heads per program (see capture_block_spec)
   fast_math: bool = False  # approximate transcendentals (backend.fast_math_overrides)
 
-  def _load_uses(self, prog, refs, offset, h, start, size):
-    """One loaded tile per use of `prog` (refs from `offset` on)."""
+  def _load_uses(self, prog, refs, offset, inputs, start, size):
+    """(one loaded tile per use of `prog`, refs from `offset` on; the flat
+    positions of each gather, None for other uses).
+
+    Uses come in the order the program reads them, so a gather's index
+    tiles are evaluated from the inputs and the values loaded before it.
+    """
+    jaxpr = prog.traced.jaxpr
+    h = inputs[prog.inputs.index("h")]
     head = h % self.head_block if self.head_block > 1 else None
-    return tuple(load_capture(refs[offset + n], self.operands[offset + n],
-                              blocked=self.blocked, start=start, size=size, head=head)
-                 for n in range(len(prog.uses)))
+    env = dict(zip(jaxpr.invars, inputs))
+    values, flats = [], []
+    for n, use in enumerate(prog.uses):
+      ref, operand = refs[offset + n], self.operands[offset + n]
+      if operand.is_gather:
+        indices = blockeval.evaluate(jaxpr, env, use.index_vars, prog.skip)
+        flat = operand.flat_index(indices)
+        value = gather_capture(ref, operand, flat, head)
+      else:
+        flat = None
+        value = load_capture(ref, operand, blocked=self.blocked, start=start, size=size,
+                             head=head)
+      env.update({var: value for var, use_index in prog.loads if use_index == n})
+      values.append(value)
+      flats.append(flat)
+    return tuple(values), tuple(flats)
 
   def _evaluate(self, prog, inputs, captures):
     jaxpr = prog.traced.jaxpr
@@ -148,10 +213,13 @@ class TileContext:
                               backend.fast_math_overrides(self.fast_math))
     return out
 
-  def score_captures(self, h, refs, start, size) -> tuple:
-    """score_mod's captured values on the tile, one per use."""
+  def score_captures(self, s, b, h, q_idx, kv_idx, refs, start, size) -> tuple:
+    """(score_mod's captured values on the tile, one per use; each gather's
+    flat positions, None for other uses)."""
     prog = self.analysis.score_mod
-    return () if prog is None else self._load_uses(prog, refs, 0, h, start, size)
+    if prog is None:
+      return (), ()
+    return self._load_uses(prog, refs, 0, (s, b, h, q_idx, kv_idx), start, size)
 
   def score_with(self, s, b, h, q_idx, kv_idx, captures):
     """score_mod on the tile with the given captured values (a function of
@@ -164,7 +232,8 @@ class TileContext:
 
   def score(self, s, b, h, q_idx, kv_idx, refs, start, size):
     """score_mod(s, b, h, q_idx, kv_idx) on the tile (s already scaled)."""
-    return self.score_with(s, b, h, q_idx, kv_idx, self.score_captures(h, refs, start, size))
+    captures, _ = self.score_captures(s, b, h, q_idx, kv_idx, refs, start, size)
+    return self.score_with(s, b, h, q_idx, kv_idx, captures)
 
   def mask(self, b, h, q_idx, kv_idx, refs, start, size):
     """mask_mod on the tile (True = keep), or None without a mask_mod."""
@@ -172,8 +241,9 @@ class TileContext:
     if prog is None:
       return None
     offset = 0 if self.analysis.score_mod is None else len(self.analysis.score_mod.uses)
-    return self._evaluate(prog, (b, h, q_idx, kv_idx),
-                          self._load_uses(prog, refs, offset, h, start, size))
+    inputs = (b, h, q_idx, kv_idx)
+    captures, _ = self._load_uses(prog, refs, offset, inputs, start, size)
+    return self._evaluate(prog, inputs, captures)
 
 
 def tile_indices(start, size, axis):

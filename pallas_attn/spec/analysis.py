@@ -68,6 +68,12 @@ class VariantAnalysis:
                    f"depends on {deps}{kind}")
       for use in prog.uses:
         shape = np.shape(prog.traced.consts[use.capture])
+        if use.is_gather:
+          grad = (" (its gradient: one tile sum per distinct index in each tile)"
+                  if label == "score_mod" else "")
+          lines.append(f"  reads {use.describe(shape)}: gathers at the computed, clamped "
+                       f"index per position{grad}")
+          continue
         blocking = ", ".join(
             {"q": "block_q rows", "kv": "block_k keys"}.get(a, "one element")
             if isinstance(a, str) else f"fixed {a}" for a in use.axes) or "scalar"

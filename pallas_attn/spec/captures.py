@@ -7,6 +7,13 @@ walks the flat jaxpr symbolically and resolves every such read to a
 `CaptureUse`: which captured array, and for each of its axes which index
 addresses it. The kernel then loads exactly the block it needs (a slope per
 head, a row of per-key biases per kv block) instead of a dense tensor.
+
+An axis addressed by a computed integer expression (`table[h, q - kv + c]`,
+a T5 bucket of `q - kv`, `starts[b, doc_ids[b, kv]]`) makes the read a
+gather: the expression is evaluated on the tile and the array is read at
+those positions, clamped into its bounds as a `dynamic_slice` clamps. Only
+such reads gather; b, h and constants still select the block the kernel
+sees.
 """
 from __future__ import annotations
 
@@ -18,14 +25,23 @@ import numpy as np
 from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, source_line
 
 INDEX_NAMES = ("b", "h", "q", "kv")
-_DISPLAY = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx"}
+GATHERED = "gathered"  # an axis read at a computed index
+_DISPLAY = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx", GATHERED: "<computed>"}
 
 
 @dataclasses.dataclass(frozen=True)
 class CaptureUse:
-  """One read of a captured array: `axes[i]` is 'b', 'h', 'q', 'kv' or a fixed int."""
+  """One read of a captured array: `axes[i]` is 'b', 'h', 'q', 'kv', a fixed
+  int or GATHERED. A gather (any GATHERED axis) has no 'q'/'kv' axes: they
+  are gathered too, and `index_vars` holds the jaxpr var of each GATHERED
+  axis's index, in axis order."""
   capture: int
   axes: tuple
+  index_vars: tuple = ()
+
+  @property
+  def is_gather(self) -> bool:
+    return GATHERED in self.axes
 
   def describe(self, shape) -> str:
     idx = ", ".join(_DISPLAY.get(a, str(a)) if isinstance(a, str) else str(a)
@@ -56,10 +72,12 @@ class ElementwiseProgram:
 
 @dataclasses.dataclass
 class _View:
-  """A captured array partially indexed: addr per axis, None = still open."""
+  """A captured array partially indexed: addr per axis, None = still open;
+  starts: the index var of each addressed axis (None for constants)."""
   capture: int
   shape: tuple
   addr: list
+  starts: list
   open_axes: list  # axes of the array that the current value still has
 
 
@@ -75,6 +93,16 @@ def _fold_scalar_constant(eqn, values):
     return None
   with jax.ensure_compile_time_eval():
     return np.asarray(eqn.primitive.bind(*[np.asarray(v) for v in values], **eqn.params)).item()
+
+
+def _resolved_use(view: _View) -> CaptureUse:
+  """The read of a fully indexed view: blocked by b, h, q, kv and constants,
+  or, with a computed index on any axis, a gather also on its q/kv axes."""
+  if GATHERED not in view.addr:
+    return CaptureUse(view.capture, tuple(view.addr))
+  axes = tuple(GATHERED if a in ("q", "kv") else a for a in view.addr)
+  return CaptureUse(view.capture, axes,
+                    tuple(s for a, s in zip(axes, view.starts) if a == GATHERED))
 
 
 def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
@@ -99,7 +127,8 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
       loads.append((var, add_use(CaptureUse(i, (0,) * len(shape)))))
       deps[var] = frozenset()
     else:
-      tags[var] = _View(i, shape, [None] * len(shape), list(range(len(shape))))
+      tags[var] = _View(i, shape, [None] * len(shape), [None] * len(shape),
+                        list(range(len(shape))))
       deps[var] = frozenset()
 
   def dep(v):
@@ -122,6 +151,7 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
     views = [t for t in in_tags if isinstance(t, _View)]
     if prim == "dynamic_slice" and isinstance(in_tags[0], _View):
       view = dataclasses.replace(in_tags[0], addr=list(in_tags[0].addr),
+                                 starts=list(in_tags[0].starts),
                                  open_axes=list(in_tags[0].open_axes))
       sizes = eqn.params["slice_sizes"]
       for axis, start, size in zip(view.open_axes, eqn.invars[1:], sizes):
@@ -139,19 +169,16 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
               "axis with a single b, h, q_idx, kv_idx or a constant.")
         if const_value(start) is not None:
           view.addr[axis] = int(const_value(start))
-        elif start_tag is not None and start_tag[0] == "idx":
-          view.addr[axis] = start_tag[1]
-        else:
-          raise VariantError(
-              f"{traced.name} indexes axis {axis} of a captured array of "
-              f"shape {view.shape} with a computed index at "
-              f"{source_line(eqn)}; only b, h, q_idx, kv_idx or constants "
-              "can address a captured array (precompute the array in the "
-              "layout you need).")
+          continue
+        view.addr[axis] = start_tag[1] if start_tag is not None and start_tag[0] == "idx" \
+            else GATHERED
+        view.starts[axis] = start
       skip.add(n)
       if all(a is not None for a in view.addr):
-        loads.append((out, add_use(CaptureUse(view.capture, tuple(view.addr)))))
-        deps[out] = frozenset(a for a in view.addr if isinstance(a, str))
+        use = _resolved_use(view)
+        loads.append((out, add_use(use)))
+        deps[out] = frozenset(a for a in use.axes if a in INDEX_NAMES).union(
+            *[dep(v) for v in use.index_vars])
       else:
         tags[out] = view
         deps[out] = frozenset()

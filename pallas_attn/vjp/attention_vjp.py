@@ -36,7 +36,7 @@ from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.rownorm import RowNorm
 from pallas_attn.vjp import parallel_backward
-from pallas_attn.vjp.parallel_backward import KEY, ROW, TILE
+from pallas_attn.vjp.parallel_backward import GATHER, KEY, ROW, TILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +156,16 @@ def _core_bwd(spec, res: _Residuals, cotangents):
       interpret=spec.interpret)
   score_consts, mask_consts = res.consts
   grads = [None] * len(score_consts)
-  for use, kind, partial in zip(score_uses, grad_kinds, partials):
+  for n, (use, kind, partial) in enumerate(zip(score_uses, grad_kinds, partials)):
     if kind is None:
       continue
     if kind == TILE and res.block_mask is not None:
       partial = _zero_unvisited(partial, res.block_mask)
     const = score_consts[use.capture]
-    g = _capture_gradient(partial, kind, use.axes, jnp.shape(const), spec.seq_q, spec.seq_kv)
+    if kind == GATHER:
+      g = _gather_gradient(partial, operands[n], use.axes, jnp.shape(const))
+    else:
+      g = _capture_gradient(partial, kind, use.axes, jnp.shape(const), spec.seq_q, spec.seq_kv)
     g = g if grads[use.capture] is None else grads[use.capture] + g
     grads[use.capture] = g
   score_grads = tuple(None if g is None else g.astype(jnp.result_type(c))
@@ -247,6 +250,30 @@ def _capture_gradient(partial, kind: str, axes: tuple, shape: tuple, seq_q: int,
   for axis, dim in enumerate(named_dims):
     g = _fit(g, axis, dim)
   if len(addressed) == len(axes):
+    return g
+  index = tuple(a if isinstance(a, int) else slice(None) for a in axes)
+  return jnp.zeros(shape, g.dtype).at[index].set(g)
+
+
+def _gather_gradient(partial, operand, axes: tuple, shape: tuple):
+  """A gathered capture's gradient from its `[B, Hq, nq, T]` partial: sums
+  q blocks and the b / h it is not addressed by, unflattens the gathered
+  axes (`tiles.CaptureOperand`) and places them at the capture's axes."""
+  gathered = [n for n, a in enumerate(axes) if a == tiles.GATHERED]
+  named = [(n, a) for n, a in enumerate(axes) if a in ("b", "h")]
+  size = 1
+  for dim in operand.gather_dims:
+    size *= dim
+  g = jnp.sum(partial[..., :size], axis=2)
+  g = jnp.sum(g, axis=tuple(d for d, a in enumerate("bh") if a not in axes))
+  kept = [a for a in "bh" if a in axes]
+  g = jnp.transpose(g, [kept.index(a) for _, a in named] + [len(kept)])
+  g = g.reshape(g.shape[:-1] + operand.gather_dims)
+  for axis, (n, _) in enumerate(named):
+    g = _fit(g, axis, shape[n])
+  order = [n for n, _ in named] + gathered  # the capture axis of each axis of g
+  g = jnp.transpose(g, sorted(range(len(order)), key=order.__getitem__))
+  if len(order) == len(axes):
     return g
   index = tuple(a if isinstance(a, int) else slice(None) for a in axes)
   return jnp.zeros(shape, g.dtype).at[index].set(g)

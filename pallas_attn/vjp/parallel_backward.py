@@ -22,8 +22,11 @@ captured float arrays. `ds` is the gradient with respect to the scaled score
 
 * dq: one program per (q block, batch, query head) walks its kv blocks
   (the q-major tile lists). It also accumulates the gradients of captures
-  addressed by q alone or by no sequence axis (a partial per row), and
-  writes the tiles of captures addressed by both q and kv.
+  addressed by q alone or by no sequence axis (a partial per row), writes
+  the tiles of captures addressed by both q and kv, and scatter-adds the
+  tile cotangents of gathered captures into a partial of the gathered axis
+  per program (`scatter_add_tile`: a reduction per distinct index in the
+  tile, in a fixed order).
 * dk/dv: one program per (kv block, batch, kv head) loops over the query
   heads of its GQA group and their q blocks (the kv-major tile lists), so
   dk and dv come out summed over the group. It accumulates the gradients of
@@ -46,17 +49,64 @@ from pallas_attn.kernels import backend, tiles
 from pallas_attn.kernels.online import LN2, LOG2E, run_tile_program
 from pallas_attn.kernels.parallel_forward import ForwardPlan, block_mask_specs
 from pallas_attn.schedule.config import AttentionConfig, clamp_block
+from pallas_attn.spec.captures import GATHERED
 
 # Where each captured float array's gradient is accumulated, by addressing.
-ROW, TILE, KEY = "row", "tile", "key"
+ROW, TILE, KEY, GATHER = "row", "tile", "key", "gather"
+# Slots of the gathered axis a tile's scatter-add accumulates in registers at once.
+SCATTER_WINDOW = 64
 
 
 def gradient_kind(axes) -> str:
-  """'tile' (addressed by q and kv, dq pass), 'key' (kv only, dk/dv pass)
-  or 'row' (q only or neither, dq pass)."""
+  """'gather' (a computed index, dq pass), 'tile' (addressed by q and kv,
+  dq pass), 'key' (kv only, dk/dv pass) or 'row' (q only or neither, dq pass)."""
+  if GATHERED in axes:
+    return GATHER
   if "kv" in axes:
     return TILE if "q" in axes else KEY
   return ROW
+
+
+def scatter_add_tile(ref, flat, d):
+  """`ref[flat[i, j]] += d[i, j]` over a tile, deterministically.
+
+  `ref` is this program's own partial of a flattened gathered axis (a power
+  of two long). The tile's positions span `[min(flat), max(flat)]`; each
+  window of SCATTER_WINDOW slots is summed slot by slot (one masked tile
+  sum per distinct position) into registers and added to `ref` once. The
+  cost grows with the span: a relative-position table spans block_q +
+  block_k - 1 slots per tile, T5 buckets a few.
+  """
+  flat = jnp.broadcast_to(flat, d.shape)
+  size = ref.shape[-1]
+  width = min(SCATTER_WINDOW, size)
+  slots = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+  lo, hi = jnp.min(flat), jnp.max(flat)
+
+  def window(w, carry):
+    first = lo + w * width
+    base = jnp.minimum(first, size - width)  # the last window shifts back in bounds
+
+    def slot(t, acc):
+      return acc + jnp.where(slots == t - base, jnp.sum(jnp.where(flat == t, d, 0.0)), 0.0)
+
+    acc = jax.lax.fori_loop(first, jnp.minimum(first + width, hi + 1), slot,
+                            jnp.zeros((width,), jnp.float32))
+    ref[pl.ds(base, width)] = ref[pl.ds(base, width)] + acc
+    return carry
+
+  jax.lax.fori_loop(0, (hi - lo) // width + 1, window, 0)
+
+
+def zero_fill(ref, chunk: int = 1024):
+  """Zeros a 1-D ref (a power of two long) in chunks that fit in registers."""
+  width = min(chunk, ref.shape[-1])
+
+  def fill(c, carry):
+    ref[pl.ds(pl.multiple_of(c * width, width), width)] = jnp.zeros((width,), ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, ref.shape[-1] // width, fill, 0)
 
 
 def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
@@ -117,17 +167,17 @@ def _tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, ke
   rows: the row terms as `[block_q, 1]` columns; position: (b, h, q_idx,
   kv_idx); window: where captures are read along the unblocked axis.
   Returns (W, the weights that multiply V; ds, the gradient with respect
-  to the scaled score; the cotangent tiles of the `grad_uses` captures).
-  All are zero where `keep` is False.
+  to the scaled score; the cotangent tiles of the `grad_uses` captures;
+  their flat positions, for gathers). All are zero where `keep` is False.
   """
   if plan.folds_log2:
     lse2, delta = rows
     p = _where(keep, jnp.exp2(s - lse2))
-    return p, p * (dp - delta), ()
+    return p, p * (dp - delta), (), ()
   b, h, q_idx, kv_idx = position
   rownorm = plan.analysis.rownorm
   online = plan.online
-  captures = tile.score_captures(h, cap_refs, *window)
+  captures, flats = tile.score_captures(s, b, h, q_idx, kv_idx, cap_refs, *window)
 
   def programs(s, *diff_captures):
     values = list(captures)
@@ -163,7 +213,8 @@ def _tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, ke
     cotangents = tuple(cotangents)
   ds, *d_captures = pullback(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs)))
   return (weights, _where(keep, ds.astype(jnp.float32)),
-          tuple(_where(keep, d.astype(jnp.float32)) for d in d_captures))
+          tuple(_where(keep, d.astype(jnp.float32)) for d in d_captures),
+          tuple(flats[u] for u in grad_uses))
 
 
 def _split_inputs(plan: BackwardPlan, refs):
@@ -183,9 +234,13 @@ def _score_scale(plan: BackwardPlan) -> float:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   rows_ref, cap_refs, list_refs, out_refs = _split_inputs(plan, refs)
-  row_uses, tile_uses = plan.uses_of(ROW), plan.uses_of(TILE)
+  row_uses, tile_uses, gather_uses = plan.uses_of(ROW), plan.uses_of(TILE), plan.uses_of(GATHER)
   dq_ref, *grad_refs = out_refs
-  row_grad_refs, tile_grad_refs = grad_refs[:len(row_uses)], grad_refs[len(row_uses):]
+  row_grad_refs = grad_refs[:len(row_uses)]
+  tile_grad_refs = grad_refs[len(row_uses):len(row_uses) + len(tile_uses)]
+  gather_grad_refs = grad_refs[len(row_uses) + len(tile_uses):]
+  for ref in gather_grad_refs:
+    zero_fill(ref)
   qi = tiles.program_block()
   b, h = pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
@@ -204,13 +259,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
     dp = backend.dot(do, v, trans_b=True, fp32_exact=plan.fp32_exact)
     kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
     keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-    _, ds, d_captures = _tile_gradients(
+    _, ds, d_captures, flats = _tile_gradients(
         plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs, (kv_start, bk),
-        row_uses + tile_uses)
+        row_uses + tile_uses + gather_uses)
     dq = dq + backend.dot(ds.astype(k.dtype), k, fp32_exact=plan.fp32_exact)
     row_grads = tuple(acc + jnp.sum(d, axis=1) for acc, d in zip(row_grads, d_captures))
-    for ref, d in zip(tile_grad_refs, d_captures[len(row_uses):]):
+    num_dense = len(row_uses) + len(tile_uses)
+    for ref, d in zip(tile_grad_refs, d_captures[len(row_uses):num_dense]):
       ref[:, pl.ds(kv_start, bk)] = d
+    for ref, d, flat in zip(gather_grad_refs, d_captures[num_dense:], flats[num_dense:]):
+      scatter_add_tile(ref, flat, d)
     return dq, row_grads
 
   lists = None
@@ -260,7 +318,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
       if mask_rows:
         valid = q_idx < plan.seq_q
         keep = valid if keep is None else jnp.logical_and(keep, valid)
-      weights, ds, d_captures = _tile_gradients(
+      weights, ds, d_captures, _ = _tile_gradients(
           plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs, (q_start, bq),
           key_uses)
       dv = dv + backend.dot(weights.astype(do.dtype).T, do, fp32_exact=plan.fp32_exact)
@@ -300,7 +358,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   BlockMask with the plan's blocks, or None. Returns (dq, dk, dv, capture
   partials): the partials, in `plan.grad_kinds` order of their uses, are
   `[B, Hq, Sq_pad]` (ROW), `[B, Hq, Sq_pad, Skv_pad]` (TILE, only visited
-  tiles written) and `[B, Hq, Skv_pad]` (KEY) float32.
+  tiles written), `[B, Hq, Skv_pad]` (KEY) and `[B, Hq, nq, T]` (GATHER,
+  per q block, T the operand's flattened gathered axis) float32.
   """
   batch, seq_q_pad, heads, d_qk = q.shape
   seq_kv_pad, kv_heads, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -327,11 +386,16 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
                   for op, x in zip(plan.operands, capture_arrays)]
   q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
   dq_in_specs += block_mask_specs(q_lists)
-  dq_uses = plan.uses_of(ROW) + plan.uses_of(TILE)
+  dq_uses = plan.uses_of(ROW) + plan.uses_of(TILE) + plan.uses_of(GATHER)
   dq_out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   dq_out_specs = [pl.BlockSpec((None, bq, None, d_qk), lambda i, b, h: (b, i, h, 0))]
   for use in dq_uses:
     kind = plan.grad_kinds[use]
+    if kind == GATHER:
+      size = capture_arrays[use].shape[-1]
+      dq_out_shape.append(jax.ShapeDtypeStruct((batch, heads, num_q_blocks, size), jnp.float32))
+      dq_out_specs.append(pl.BlockSpec((None, None, None, size), lambda i, b, h: (b, h, i, 0)))
+      continue
     dq_out_shape.append(jax.ShapeDtypeStruct(grad_shape[kind], jnp.float32))
     dq_out_specs.append(
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)) if kind == ROW else

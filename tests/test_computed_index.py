@@ -1,0 +1,142 @@
+"""Captured arrays read at computed indices (gathers): relative-position
+tables, T5 buckets, Swin's 2D relative bias, lookups through another
+array's value, out-of-range indices; forward, gradients (the gathered
+table's included, deterministic) and block masks, against the dense
+reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn as pa
+from conftest import MODES, assert_close, qkv, random
+from pallas_attn.reference import dense_mask
+from test_attention_backward import SMALL, check_gradients
+
+B, SQ, SKV, HEADS = 2, 37, 45, 4  # qkv()'s defaults: ragged lengths, GQA, Dqk != Dv
+CAUSAL = lambda b, h, qi, ki: qi >= ki
+
+
+def t5_bucket(relative, num_buckets=8, max_distance=20):
+  """T5's unidirectional log bucket of `q - kv` (>= 0 attends to the past)."""
+  n = jnp.maximum(relative, 0)
+  exact = num_buckets // 2
+  log_bucket = exact + (jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / exact)
+                        / np.log(max_distance / exact) * (num_buckets - exact)).astype(jnp.int32)
+  return jnp.where(n < exact, n, jnp.minimum(log_bucket, num_buckets - 1))
+
+
+SWIN = 5  # tokens form SWIN x SWIN windows row by row: position p is (p // SWIN, p % SWIN)
+
+
+def swin_index(qi, ki):
+  dy = qi // SWIN - ki // SWIN + (SKV // SWIN - 1)
+  dx = qi % SWIN - ki % SWIN + (SWIN - 1)
+  return dy * (2 * SWIN - 1) + dx
+
+
+TABLES = {"rel": (HEADS, SQ + SKV - 1), "t5": (HEADS, 8), "swin": (HEADS, (2 * (SKV // SWIN) - 1) * (2 * SWIN - 1)),
+          "two_axes": (HEADS, 8, 9), "clamped": (HEADS, 30)}
+
+SCORE_MODS = {
+    # A learned relative-position table: one entry per q - kv.
+    "rel": lambda t: lambda s, b, h, qi, ki: s + t[h, qi - ki + SKV - 1],
+    "t5": lambda t: lambda s, b, h, qi, ki: s + t[h, t5_bucket(qi - ki)],
+    "swin": lambda t: lambda s, b, h, qi, ki: s + t[h, swin_index(qi, ki)],
+    # Two computed axes at once, and a score that scales the gathered value.
+    "two_axes": lambda t: lambda s, b, h, qi, ki: s * (1.0 + 0.1 * t[h, qi % 8, (ki * 7) % 9]),
+    # Indices past both ends: JAX wraps negatives once, then clamps into the table.
+    "clamped": lambda t: lambda s, b, h, qi, ki: s + t[h, qi - 2 * ki + 3],
+}
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("name", list(SCORE_MODS))
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
+def test_gathered_tables_forward_and_gradients(name, masked, interpret):
+  q, k, v = qkv()
+  table = random(TABLES[name], seed=11)
+  mask_mod = CAUSAL if masked else None
+  out = pa.attention(q, k, v, score_mod=SCORE_MODS[name](table), mask_mod=mask_mod,
+                     config=SMALL, interpret=interpret)
+  assert_close(out, pa.attention_reference(q, k, v, score_mod=SCORE_MODS[name](table),
+                                           mask_mod=mask_mod))
+  check_gradients(q, k, v, {"table": table}, interpret=interpret, make_kwargs=lambda c: dict(
+      score_mod=SCORE_MODS[name](c["table"]), mask_mod=mask_mod))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_gathered_table_bf16_and_deterministic_gradient(interpret):
+  q, k, v = qkv(dtype=jnp.bfloat16)
+  table = random(TABLES["rel"], seed=12)
+
+  def loss(table):
+    out = pa.attention(q, k, v, score_mod=SCORE_MODS["rel"](table), mask_mod=CAUSAL,
+                       config=SMALL, bwd_config=SMALL, interpret=interpret)
+    return jnp.sum(out.astype(jnp.float32) * random(out.shape, seed=5))
+
+  grad = jax.jit(jax.grad(loss))
+  first, second = grad(table), grad(table)
+  assert np.array_equal(np.asarray(first), np.asarray(second))
+  check_gradients(q, k, v, {"table": table}, dtype=jnp.bfloat16, interpret=interpret,
+                  make_kwargs=lambda c: dict(score_mod=SCORE_MODS["rel"](c["table"]),
+                                             mask_mod=CAUSAL))
+
+
+def packed_documents():
+  """Per-batch document ids over the keys and each document's prefix length."""
+  ids = np.sort(np.random.RandomState(1).randint(0, 4, (B, SKV)), axis=1)
+  prefix = np.random.RandomState(2).randint(1, 6, (B, 4))
+  return jnp.asarray(ids, jnp.int32), jnp.asarray(prefix, jnp.int32)
+
+
+def document_prefix_mask(ids, prefix):
+  """Within its document a query sees the document's prefix bidirectionally and
+  the rest causally: the start and the prefix are looked up by document id."""
+  starts = jax.vmap(lambda row: jnp.searchsorted(row, jnp.arange(4), side="left"))(ids)
+
+  def mask_mod(b, h, qi, ki):
+    doc = ids[b, ki]
+    in_prefix = ki < starts[b, doc] + prefix[b, doc]
+    return (ids[b, qi] == doc) & ((ki <= qi) | in_prefix)
+  return mask_mod
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_mask_looked_up_through_another_array(interpret):
+  q, k, v = qkv(seq_q=SKV)
+  mask_mod = document_prefix_mask(*packed_documents())
+  analysis = pa.analyze_variant(mask_mod=mask_mod)
+  assert any(use.is_gather for use in analysis.mask_mod.uses)
+  bm = pa.block_mask(mask_mod, B, HEADS, SKV, SKV, block_q=16, block_kv=16, interpret=interpret)
+  dense = np.asarray(dense_mask(mask_mod, B, 1, SKV, SKV))[:, 0]
+  classes = np.asarray(bm.classes)[:, 0]
+  for qb in range(classes.shape[1]):
+    for kb in range(classes.shape[2]):
+      tile = dense[:, qb * 16:(qb + 1) * 16, kb * 16:(kb + 1) * 16]
+      want = np.where(tile.all((1, 2)), 2, np.where(tile.any((1, 2)), 1, 0))
+      assert np.array_equal(classes[:, qb, kb], want)
+  for block_mask in (None, bm):
+    out = pa.attention(q, k, v, mask_mod=mask_mod, block_mask=block_mask, config=SMALL,
+                       interpret=interpret)
+    assert_close(out, pa.attention_reference(q, k, v, mask_mod=mask_mod))
+  check_gradients(q, k, v, interpret=interpret, make_kwargs=lambda c: dict(mask_mod=mask_mod))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_integer_table_at_a_computed_index_under_jit_and_vmap(interpret):
+  """An int table (no gradient) closed over by a jitted, vmapped call."""
+  q, k, v = qkv()
+  levels = jnp.asarray(np.random.RandomState(3).randint(-3, 3, (SQ + SKV,)), jnp.int32)
+  score_mod = lambda s, b, h, qi, ki: s + 0.5 * levels[qi - ki + SKV].astype(jnp.float32)
+  call = lambda q, k, v: pa.attention(q, k, v, score_mod=score_mod, config=SMALL,
+                                      interpret=interpret)
+  out = jax.jit(jax.vmap(call))(q[None], k[None], v[None])[0]
+  assert_close(out, pa.attention_reference(q, k, v, score_mod=score_mod))
+
+
+def test_explain_names_the_gather():
+  table = random(TABLES["rel"])
+  text = pa.analyze_variant(score_mod=SCORE_MODS["rel"](table)).describe()
+  assert "<computed>" in text and "gathers" in text
+
