@@ -61,11 +61,12 @@ def _pad_to(x, axis, length):
 
 
 # Per kernel template: the argument that sets its config, and the default
-# heuristic (of Sq, Skv, Dqk, Dv and whether a mask_mod makes it block sparse).
+# heuristic (of Sq, Skv, Dqk, Dv, whether a mask_mod makes it block sparse and
+# the input itemsize).
 _CONFIG_SOURCES = {
     "forward": ("config", heuristic_config),
     "backward": ("bwd_config",
-                 lambda *dims, block_sparse: heuristic_backward_config(*dims)),
+                 lambda *dims, block_sparse, itemsize: heuristic_backward_config(*dims)),
 }
 
 
@@ -81,7 +82,7 @@ def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) ->
   return (tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
                                      k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
           or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3],
-                       block_sparse=analysis.mask_mod is not None))
+                       block_sparse=analysis.mask_mod is not None, itemsize=q.dtype.itemsize))
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,

@@ -275,3 +275,12 @@ def test_random_shapes_property(batch, seq_q, seq_kv, kv_heads, group, d_qk, d_v
   # A fill of -1e9 keeps the reference finite on rows that causal masking empties.
   check_gradients(q, k, v, fill=-1e9, make_kwargs=lambda c: dict(
       mask_mod=CAUSAL if causal else None))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("mask_mod", [None, CAUSAL], ids=["dense", "causal"])
+def test_float32_head_128_with_default_tiles(mask_mod, interpret):
+  """The default tiles of float32 d=128 fit shared memory (compiled) and are exact."""
+  q, k, v = qkv(batch=1, seq_q=70, seq_kv=90, heads=2, kv_heads=1, d_qk=128, d_v=128)
+  check_gradients(q, k, v, interpret=interpret, config=None, bwd_config=None,
+                  make_kwargs=lambda c: dict(mask_mod=mask_mod))

@@ -34,7 +34,7 @@ def clamp_block(block: int, length: int, minimum: int = 16) -> int:
 
 
 def heuristic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
-                     block_sparse: bool = False) -> AttentionConfig:
+                     block_sparse: bool = False, itemsize: int = 2) -> AttentionConfig:
   """A reasonable default without tuning (Hopper-class GPUs, Triton).
 
   Head dims count as padded to powers of two (>= 16). Up to 256 + 128
@@ -46,9 +46,15 @@ def heuristic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
   kernel time: causal 0.754 -> 0.714 ms at S=4k, 2.55 -> 2.36 ms at 16k,
   where the dense time is 1.33 / 4.92 ms; the tuner picked these tiles for
   sliding windows and for causal at 16k too).
+
+  float32 inputs (`itemsize` 4) with heads over 64 take 64x64 tiles on two
+  stages: the 16-bit tiles ask for 384 KB of shared memory there, over
+  Hopper's 227 KB (seen on an H100, 2026-11-23).
   """
   d_qk, d_v = (max(16, next_power_of_2(d)) for d in (d_qk, d_v))
-  if max(d_qk, d_v) <= 64:
+  if itemsize > 2 and max(d_qk, d_v) > 64:
+    cfg = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+  elif max(d_qk, d_v) <= 64:
     cfg = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
   elif d_qk + d_v <= 384:
     wide_keys = block_sparse and max(d_qk, d_v) <= 128

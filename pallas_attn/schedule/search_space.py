@@ -110,7 +110,7 @@ def default_config(template: str, shape: ProblemShape, *,
   config_class(template)
   if template == "forward":
     return heuristic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
-                            block_sparse=block_sparse)
+                            block_sparse=block_sparse, itemsize=shape.itemsize)
   if template == "backward":
     from pallas_attn.vjp.parallel_backward import heuristic_backward_config
     return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
