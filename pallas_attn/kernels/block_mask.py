@@ -92,49 +92,70 @@ class BlockMask:
     return visited / (nq * nk * self.kv_partial_num.shape[0] * self.kv_partial_num.shape[1])
 
 
+KV_BLOCKS_PER_PROGRAM = 16  # the width of a program's output block: a power of two
+
+
 def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv, num_kv_blocks):
+  """Classes of one q block's tiles against `KV_BLOCKS_PER_PROGRAM` kv blocks."""
   cap_refs, out_ref = refs[:-1], refs[-1]
-  qi, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  qi, chunk, b, h = (pl.program_id(n) for n in range(4))
   tile = tiles.TileContext(analysis, operands, blocked="q")
-  q_idx = tiles.tile_indices(qi * block_q, block_q, axis=0)
-  q_valid = q_idx < seq_q
-  slots = jax.lax.broadcasted_iota(jnp.int32, (1, out_ref.shape[-1]), 1)
+  q_start = qi * block_q
+  q_idx = tiles.tile_indices(q_start, block_q, axis=0)
+  width = out_ref.shape[-1]
+  first = chunk * width
+  slots = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+  # A tile is full when all its query rows keep all block_k keys: padding
+  # keys count as masked (their tile runs the mask), padding queries not at all.
+  positions = jnp.minimum(block_q, seq_q - q_start) * block_k
 
   def body(j, classes):
-    kv_start = j * block_k
+    kv_start = (first + j) * block_k
     kv_idx = tiles.tile_indices(kv_start, block_k, axis=1)
-    keep = jnp.logical_and(tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, block_k),
-                           kv_idx < seq_kv)
+    keep = jnp.broadcast_to(tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, block_k),
+                            (block_q, block_k))
+    if seq_kv % block_k:
+      keep = jnp.logical_and(keep, kv_idx < seq_kv)
+    if seq_q % block_q:
+      keep = jnp.logical_and(keep, q_idx < seq_q)
+    kept = jnp.sum(keep.astype(jnp.int32))
     # Integer arithmetic, not selects on booleans (Triton rejects mixed-type selects):
     # class = any kept + all kept = EMPTY (0), PARTIAL (1) or FULL (2).
-    any_kept = jnp.max(jnp.logical_and(keep, q_valid).astype(jnp.int32))
-    all_kept = jnp.min(jnp.logical_or(keep, jnp.logical_not(q_valid)).astype(jnp.int32))
-    return classes + (slots == j).astype(jnp.int32) * (any_kept + all_kept)
+    tile_class = (kept > 0).astype(jnp.int32) + (kept == positions).astype(jnp.int32)
+    return classes + (slots == j).astype(jnp.int32) * tile_class
 
-  classes = jax.lax.fori_loop(0, num_kv_blocks, body,
-                              jnp.zeros((1, out_ref.shape[-1]), jnp.int32))
-  out_ref[...] = classes
+  count = jnp.minimum(width, num_kv_blocks - first)
+  out_ref[...] = jax.lax.fori_loop(0, count, body, jnp.zeros((1, width), jnp.int32))
 
 
 def classify_tiles(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
                    interpret):
-  """`[Bm, Hm, nq, nk]` int32 tile classes (EMPTY / PARTIAL / FULL)."""
+  """`[Bm, Hm, nq, nk]` int32 tile classes (EMPTY / PARTIAL / FULL).
+
+  One program per (q block, run of `KV_BLOCKS_PER_PROGRAM` kv blocks, b, h):
+  at long sequences many short programs fill the GPU where one program per
+  q block, looping over every kv block, would run a few long ones.
+  """
   nq, nk = -(-seq_q // block_q), -(-seq_kv // block_k)
+  num_chunks = -(-nk // KV_BLOCKS_PER_PROGRAM)
   deps = analysis.mask_deps
   mb = batch if "b" in deps else 1
   mh = heads if "h" in deps else 1
   arrays, operands = tiles.capture_operands(analysis, nq * block_q, nk * block_k)
-  nk_pad = max(16, 1 << (nk - 1).bit_length())
+  in_specs = [tiles.capture_block_spec(op, x.shape, blocked="q", block=block_q)
+              for op, x in zip(operands, arrays)]
   kernel = functools.partial(
       _classify_kernel, analysis=analysis, operands=operands, block_q=block_q,
       block_k=block_k, seq_q=seq_q, seq_kv=seq_kv, num_kv_blocks=nk)
   call = backend.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((mb, mh, nq, nk_pad), jnp.int32),
-      grid=(nq, mb, mh),
-      in_specs=[tiles.capture_block_spec(op, x.shape, blocked="q", block=block_q)
-                for op, x in zip(operands, arrays)],
-      out_specs=pl.BlockSpec((None, None, 1, nk_pad), lambda i, b, h: (b, h, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((mb, mh, nq, num_chunks * KV_BLOCKS_PER_PROGRAM),
+                                     jnp.int32),
+      grid=(nq, num_chunks, mb, mh),
+      in_specs=[pl.BlockSpec(s.block_shape, lambda i, c, b, h, f=s.index_map: f(i, b, h))
+                for s in in_specs],
+      out_specs=pl.BlockSpec((None, None, 1, KV_BLOCKS_PER_PROGRAM),
+                             lambda i, c, b, h: (b, h, i, c)),
       num_warps=4, num_stages=1, interpret=interpret, name="pallas_attn_block_mask")
   return call(*arrays)[..., :nk]
 
