@@ -190,14 +190,22 @@ def _retile(classes, axis: int, block: int, new_block: int, count: int):
 
 
 def _tile_lists(classes):
-  """Per row of `classes`: (partial count, partial indices first, full count, full indices)."""
+  """Per row of `classes`: (partial count, partial indices first, full count, full indices).
+
+  Each index row lists its class's blocks in order, then the other blocks in
+  order: the stable partition that a sort would give, placed directly (a
+  prefix count gives each block its slot; one scatter writes both lists).
+  """
   n = classes.shape[-1]
+  flags = jnp.stack([classes == PARTIAL, classes == FULL]).astype(jnp.int32)
   order = jnp.arange(n, dtype=jnp.int32)
-  partial = classes == PARTIAL
-  full = classes == FULL
-  partial_idx = jnp.argsort(jnp.where(partial, order, n + order), axis=-1).astype(jnp.int32)
-  full_idx = jnp.argsort(jnp.where(full, order, n + order), axis=-1).astype(jnp.int32)
-  return (partial.sum(-1, dtype=jnp.int32), partial_idx, full.sum(-1, dtype=jnp.int32), full_idx)
+  through = jnp.cumsum(flags, axis=-1, dtype=jnp.int32)  # listed blocks up to each one
+  count = through[..., -1:]
+  slot = jnp.where(flags == 1, through - 1, count + order - through)
+  row_start = jnp.arange(slot.size // n, dtype=jnp.int32).reshape(slot.shape[:-1] + (1,)) * n
+  idx = jnp.zeros(slot.size, jnp.int32).at[(row_start + slot).ravel()].set(
+      jnp.broadcast_to(order, slot.shape).ravel(), unique_indices=True).reshape(slot.shape)
+  return count[0, ..., 0], idx[0], count[1, ..., 0], idx[1]
 
 
 def from_classes(classes, *, block_q, block_k, seq_q, seq_kv) -> BlockMask:
