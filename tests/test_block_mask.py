@@ -22,6 +22,10 @@ MASKS = {
 }
 
 
+FIELDS = ["kv_partial_num", "kv_partial_idx", "kv_full_num", "kv_full_idx", "q_partial_num",
+          "q_partial_idx", "q_full_num", "q_full_idx", "classes"]
+
+
 def dense_classes(mask, seq_q, seq_kv, bq, bk):
   """Expected tile classes from a dense mask (padding: q rows ignored, kv columns masked)."""
   nq, nk = -(-seq_q // bq), -(-seq_kv // bk)
@@ -78,6 +82,16 @@ def test_retiled_block_mask(name):
   assert np.all((got == bm_lib.EMPTY) <= (exact == bm_lib.EMPTY))
   with pytest.raises(ValueError, match="re-tile"):
     fine.with_blocks(24, 16)
+
+
+def test_coarsened_tiles_ignore_padding_queries():
+  """The last q block's padding rows (45 of 48 are queries) neither keep nor mask."""
+  first_keys = lambda b, h, qi, ki: ki < 32
+  coarse = pa.block_mask(first_keys, 1, 1, 45, 64, block_q=16, block_kv=16).with_blocks(32, 32)
+  direct = pa.block_mask(first_keys, 1, 1, 45, 64, block_q=32, block_kv=32)
+  np.testing.assert_array_equal(coarse.classes[0, 0, :, 0], [bm_lib.FULL, bm_lib.FULL])
+  for field in FIELDS:
+    np.testing.assert_array_equal(getattr(coarse, field), getattr(direct, field))
 
 
 @pytest.mark.parametrize("interpret", MODES)

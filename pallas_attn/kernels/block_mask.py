@@ -23,6 +23,7 @@ from pallas_attn.schedule.config import clamp_block
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+_NO_QUERIES = -1  # a q block past the sequence end, while re-tiling: neither keeps nor masks
 
 
 @functools.partial(
@@ -75,8 +76,9 @@ class BlockMask:
     if not self.can_retile(block_q, block_k):
       raise ValueError(f"cannot re-tile a block mask from {self.block_q}x{self.block_k} to "
                        f"{block_q}x{block_k}: block sizes must divide each other")
-    classes = _retile(self.classes, 2, self.block_q, block_q, -(-self.seq_q // block_q))
-    classes = _retile(classes, 3, self.block_k, block_k, -(-self.seq_kv // block_k))
+    classes = _retile(self.classes, 2, self.block_q, block_q, -(-self.seq_q // block_q),
+                      _NO_QUERIES)
+    classes = _retile(classes, 3, self.block_k, block_k, -(-self.seq_kv // block_k), EMPTY)
     return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=self.seq_q,
                         seq_kv=self.seq_kv)
 
@@ -172,20 +174,23 @@ def _grid_rows(lists, num_blocks: int | None):
                for x in lists)
 
 
-def _retile(classes, axis: int, block: int, new_block: int, count: int):
+def _retile(classes, axis: int, block: int, new_block: int, count: int, beyond: int):
   """Tile classes along `axis` for tiles of `new_block` (`count` of them);
-  the two sizes divide each other (`BlockMask.can_retile`)."""
+  the two sizes divide each other (`BlockMask.can_retile`). Blocks past the
+  sequence end count as `beyond`: padding queries are ignored (as tiles
+  classify them), padding keys are masked."""
   if new_block <= block:
     return jnp.repeat(classes, block // new_block, axis=axis)[
         (slice(None),) * axis + (slice(0, count),)]
   ratio = new_block // block
   widths = [(0, 0)] * classes.ndim
-  widths[axis] = (0, count * ratio - classes.shape[axis])  # beyond the sequence: empty
-  grouped = jnp.pad(classes, widths, constant_values=EMPTY)
+  widths[axis] = (0, count * ratio - classes.shape[axis])
+  grouped = jnp.pad(classes, widths, constant_values=beyond)
   shape = classes.shape[:axis] + (count, ratio) + classes.shape[axis + 1:]
   grouped = grouped.reshape(shape)
-  full = jnp.all(grouped == FULL, axis=axis + 1)
-  empty = jnp.all(grouped == EMPTY, axis=axis + 1)
+  ignored = grouped == _NO_QUERIES
+  full = jnp.all((grouped == FULL) | ignored, axis=axis + 1)
+  empty = jnp.all((grouped == EMPTY) | ignored, axis=axis + 1)
   return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL)).astype(classes.dtype)
 
 
