@@ -12,6 +12,7 @@ from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.trace import is_concrete
 from pallas_attn.vjp import attention_vjp
 from pallas_attn.vjp.parallel_backward import heuristic_backward_config
 
@@ -166,10 +167,11 @@ def _resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
 
 
 def _mask_only(analysis: VariantAnalysis) -> VariantAnalysis:
-  """The mask_mod part of an analysis, its captures cut from differentiation:
-  tile lists are integers, and score_mod's arrays need not reach the mask kernel."""
+  """The mask_mod part of an analysis, its traced captures cut from
+  differentiation: tile lists are integers, and score_mod's arrays need not
+  reach the mask kernel."""
   mask = analysis.mask_mod
-  consts = tuple(jax.lax.stop_gradient(c) for c in mask.traced.consts)
+  consts = tuple(c if is_concrete(c) else jax.lax.stop_gradient(c) for c in mask.traced.consts)
   mask = dataclasses.replace(mask, traced=dataclasses.replace(mask.traced, consts=consts))
   return dataclasses.replace(analysis, score_mod=None, mask_mod=mask)
 
@@ -178,9 +180,11 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
   """(forward, backward) block masks, or None without a mask_mod.
 
   The forward's is the caller's block mask (checked) or one built at cfg's
-  blocks; the backward's has bwd_cfg's blocks. Masks that capture no arrays
-  are constants built once per blocks; others are classified once at the
-  finer of the two tilings and coarsened (exactly) to each.
+  blocks; the backward's has bwd_cfg's blocks. Built ones are classified
+  once at the finer of the two tilings and coarsened (exactly) to each: now,
+  by a builder compiled once per mask and shape, where mask_mod's captured
+  arrays are concrete (none, or closed-over arrays: the masks are then
+  constants of the trace); inside the trace where they are traced.
   """
   batch, seq_q, heads, _ = q.shape
   seq_kv = k.shape[1]
@@ -193,14 +197,11 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
     _check_block_mask(block_mask, batch, heads, seq_q, seq_kv)
     return block_mask, _retiled(block_mask, *bwd_blocks)
   mask = _mask_only(analysis)
-  if not mask.mask_mod.traced.consts:
-    return tuple(block_mask_lib.static_block_mask(mask, batch, heads, seq_q, seq_kv, bq, bk,
-                                                  interpret)
-                 for bq, bk in ((cfg.block_q, cfg.block_k), bwd_blocks))
-  finest = block_mask_lib.build_block_mask(
-      mask, batch, heads, seq_q, seq_kv, min(cfg.block_q, bwd_cfg.block_q),
-      min(cfg.block_k, bwd_cfg.block_k), interpret)
-  return _retiled(finest, cfg.block_q, cfg.block_k), _retiled(finest, *bwd_blocks)
+  consts = mask.mask_mod.traced.consts
+  shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
+  if all(map(is_concrete, consts)):
+    return block_mask_lib.compiled_builder(mask, *shape)(consts)
+  return block_mask_lib.build_block_masks(mask, *shape)
 
 
 def _retiled(block_mask, block_q: int, block_k: int):

@@ -26,6 +26,11 @@ FIELDS = ["kv_partial_num", "kv_partial_idx", "kv_full_num", "kv_full_idx", "q_p
           "q_partial_idx", "q_full_num", "q_full_idx", "classes"]
 
 
+def documents(ids):
+  """A causal document mask over `ids` [B, S], a new closure per call as per batch."""
+  return lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (qi >= ki)
+
+
 def dense_classes(mask, seq_q, seq_kv, bq, bk):
   """Expected tile classes from a dense mask (padding: q rows ignored, kv columns masked)."""
   nq, nk = -(-seq_q // bq), -(-seq_kv // bk)
@@ -132,3 +137,37 @@ def test_block_mask_errors():
     pa.attention(q[:, :30], k, v, mask_mod=MASKS["causal"], block_mask=bm)
   with pytest.raises(TypeError, match="pallas_attn.block_mask"):
     pa.attention(q, k, v, mask_mod=MASKS["causal"], block_mask=np.ones((4, 4)))
+
+
+def test_eager_block_mask_reuses_its_compiled_builder(monkeypatch):
+  """New document ids of the same shape: no new builder, no compilation, the new ids' lists."""
+  shape = (2, 1, 300, 300)
+  ids = [jnp.array(np.sort(np.random.RandomState(seed).randint(0, 4, size=(2, 300))), jnp.int32)
+         for seed in (3, 4)]
+  pa.block_mask(documents(ids[0]), *shape, block_q=16, block_kv=16)
+  compiled = []
+  monkeypatch.setattr(bm_lib, "compiled_builder", lambda *a: compiled.append(a))
+  listener = lambda event, *_, **__: (compiled.append(event)
+                                      if event == "/jax/core/compile/backend_compile_duration"
+                                      else None)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    second = pa.block_mask(documents(ids[1]), *shape, block_q=16, block_kv=16)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert not compiled
+  analysis = pa.analyze_variant(mask_mod=documents(ids[1]))
+  fresh, = bm_lib.build_block_masks(analysis, *shape, ((16, 16),), interpret=True)
+  for field in FIELDS:
+    np.testing.assert_array_equal(getattr(second, field), getattr(fresh, field))
+  expected = dense_classes(np.asarray(dense_mask(documents(ids[1]), 2, 1, 300, 300)),
+                           300, 300, 16, 16)
+  np.testing.assert_array_equal(second.classes, expected)
+
+
+def test_block_mask_inside_jit_with_traced_captures():
+  ids = jnp.array(np.sort(np.random.RandomState(5).randint(0, 3, size=(2, 45))), jnp.int32)
+  build = lambda ids: pa.block_mask(documents(ids), 2, 1, 45, 45, block_q=16, block_kv=16)
+  traced, eager = jax.jit(build)(ids), build(ids)
+  for field in FIELDS:
+    np.testing.assert_array_equal(getattr(traced, field), getattr(eager, field))

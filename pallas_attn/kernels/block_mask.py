@@ -8,6 +8,11 @@ FlexAttention: for each q block, the kv blocks that need the mask and the
 ones that don't (forward and dq), and the transpose (dk/dv). Empty tiles
 are never visited. When mask_mod ignores b or h, that axis has size 1 and
 is broadcast.
+
+Masks are built eagerly (`block_mask`, and `attention` where mask_mod's
+captured arrays are concrete) by a compiled builder, cached per mask and
+shape, that takes the captured arrays as arguments; inside a trace where
+they are traced, in that trace.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.schedule.config import clamp_block
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.trace import is_concrete
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _NO_QUERIES = -1  # a q block past the sequence end, while re-tiling: neither keeps nor masks
@@ -219,33 +225,85 @@ def from_classes(classes, *, block_q, block_k, seq_q, seq_kv) -> BlockMask:
                    seq_kv=seq_kv)
 
 
-def build_block_mask(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
-                     interpret) -> BlockMask:
-  classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
-  return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
+def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, tilings,
+                      interpret) -> tuple:
+  """Block masks at each (block_q, block_k) of `tilings`, classified once at
+  the finest tiles and coarsened (exactly) to each; a tiling that the finest
+  does not divide is classified on its own."""
+  def build(block_q, block_k):
+    classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
+    return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
+
+  finest = build(min(bq for bq, _ in tilings), min(bk for _, bk in tilings))
+  return tuple(finest.with_blocks(bq, bk) if finest.can_retile(bq, bk) else build(bq, bk)
+               for bq, bk in tilings)
 
 
-_STATIC_MASKS: dict = {}
-_STATIC_MASKS_MAX = 64
+_BUILDERS: dict = {}  # fingerprint, argument types, shapes -> compiled builder
+_TRACED: dict = {}    # block_mask's jaxpr text, shapes -> (compiled builder, capture positions)
+_CACHE_MAX = 64
 
 
-def static_block_mask(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
-                      interpret) -> BlockMask:
-  """The block mask of a mask_mod that captures no arrays: a constant.
+def _remember(cache: dict, key, value):
+  """Stores `value` under `key`, dropping the oldest entry past `_CACHE_MAX`."""
+  if len(cache) >= _CACHE_MAX:
+    cache.pop(next(iter(cache)))
+  cache[key] = value
+  return value
 
-  Built once per (mask, shape, blocks), eagerly even inside a trace, so a
-  jitted call embeds it instead of rebuilding it on every step.
+
+def _arg_types(consts) -> tuple:
+  """What a compiled builder is specialized to in its arguments."""
+  return tuple((jax.typeof(c), getattr(c, "sharding", None)) for c in consts)
+
+
+def _with_consts(analysis: VariantAnalysis, consts) -> VariantAnalysis:
+  mask = analysis.mask_mod
+  return dataclasses.replace(analysis, mask_mod=dataclasses.replace(
+      mask, traced=dataclasses.replace(mask.traced, consts=tuple(consts))))
+
+
+def compiled_builder(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, tilings, interpret):
+  """`build_block_masks` of `analysis` as a compiled function of mask_mod's
+  captured arrays (concrete), cached per fingerprint, argument types, shapes,
+  tilings and interpret mode: new values of the same shapes reuse it, and no
+  value is baked in. A compiled executable runs at once, also when called
+  inside another trace, whose constants its masks then are.
   """
-  key = (analysis.fingerprint(), batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
-  if key not in _STATIC_MASKS:
-    if len(_STATIC_MASKS) >= _STATIC_MASKS_MAX:
-      _STATIC_MASKS.pop(next(iter(_STATIC_MASKS)))
-    # Lowered and compiled on its own, a compiled executable runs now even
-    # when called inside another trace.
-    build = jax.jit(lambda: build_block_mask(analysis, batch, heads, seq_q, seq_kv, block_q,
-                                             block_k, interpret)).lower().compile()
-    _STATIC_MASKS[key] = build()
-  return _STATIC_MASKS[key]
+  consts = analysis.mask_mod.traced.consts
+  key = (analysis.fingerprint(), _arg_types(consts), batch, heads, seq_q, seq_kv, tilings,
+         interpret)
+  if key not in _BUILDERS:
+    program = _with_consts(analysis, ())  # keeps no captured values alive
+    build = lambda consts: build_block_masks(_with_consts(program, consts), batch, heads, seq_q,
+                                             seq_kv, tilings, interpret)
+    _remember(_BUILDERS, key, jax.jit(build).lower(consts).compile())
+  return _BUILDERS[key]
+
+
+_MASK_ARGS = [jax.ShapeDtypeStruct((), jnp.int32)] * 4
+
+
+def _traced_key(mask_mod):
+  """(mask_mod's jaxpr as text and its captures' types, its captured
+  arrays): what the analysis fingerprint hashes, from one trace and no
+  analysis. None where mask_mod does not trace (the analysis then says why)
+  or captures traced values."""
+  try:
+    closed = jax.make_jaxpr(mask_mod)(*_MASK_ARGS)
+  except Exception:  # analyze_variant reports it
+    return None, ()
+  if not all(map(is_concrete, closed.consts)):
+    return None, ()
+  return (str(closed.jaxpr), _arg_types(closed.consts)), tuple(closed.consts)
+
+
+def _positions(consts, captured):
+  """Where each of the analysis' `consts` is among `captured` (the arrays of
+  `_traced_key`'s trace), or None if one is not (an array held inside a
+  nested jit: then every call runs the analysis)."""
+  positions = [next((n for n, c in enumerate(captured) if c is x), None) for x in consts]
+  return None if None in positions else tuple(positions)
 
 
 def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=None,
@@ -257,11 +315,30 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   heuristic's, 128x64 for d=128, not the 128x128 tiles a mask_mod alone
   gets: a block mask can be coarsened for the other pass, not refined, so
   the backward runs on these tiles too).
+
+  The first call per mask, shapes and blocks compiles a builder that takes
+  mask_mod's captured arrays as arguments; later calls, with the same
+  arrays or new ones of the same shapes (new document ids), trace mask_mod
+  once and run it. Inside a jitted function whose arguments mask_mod
+  captures, the mask is built in that trace instead.
   """
   from pallas_attn.schedule.config import heuristic_config
   default = heuristic_config(seq_q, seq_kv, 128, 128)
   block_q = clamp_block(block_q or default.block_q, seq_q)
   block_k = clamp_block(block_kv or default.block_k, seq_kv)
-  analysis = analyze_variant(mask_mod=mask_mod)
-  return build_block_mask(analysis, batch, heads, seq_q, seq_kv, block_q, block_k,
-                          backend.resolve_interpret(interpret))
+  shape = (batch, heads, seq_q, seq_kv, ((block_q, block_k),),
+           backend.resolve_interpret(interpret))
+  key, captured = _traced_key(mask_mod)
+  key = None if key is None else (key, *shape)
+  if key not in _TRACED:
+    analysis = analyze_variant(mask_mod=mask_mod)
+    consts = analysis.mask_mod.traced.consts
+    if not all(map(is_concrete, consts)):
+      return build_block_masks(analysis, *shape)[0]
+    build = compiled_builder(analysis, *shape)
+    positions = _positions(consts, captured)
+    if key is None or positions is None:
+      return build(consts)[0]
+    _remember(_TRACED, key, (build, positions))
+  build, positions = _TRACED[key]
+  return build(tuple(captured[p] for p in positions))[0]
