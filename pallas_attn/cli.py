@@ -159,6 +159,9 @@ def cmd_explain(args) -> int:
   device = device_config()
   print(f"variant {args.variant}")
   print(analysis.describe())
+  if analysis.mask_mod is not None:
+    from pallas_attn.kernels.block_mask import describe_build
+    print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))
   if sinks is not None:
     print(f"sinks: {list(sinks.shape)} logits, one per query head, start each row's softmax state")
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -342,3 +343,18 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
     _remember(_TRACED, key, (build, positions))
   build, positions = _TRACED[key]
   return build(tuple(captured[p] for p in positions))[0]
+
+
+def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> str:
+  """One line on what `attention` pays to build the block mask of `analysis`
+  when no block_mask is passed (`pallas-attn explain`)."""
+  if not analysis.mask_mod.traced.consts:
+    return ("block mask: a constant of the jitted call, built at trace time by a builder "
+            "compiled once per shape")
+  deps = analysis.mask_deps
+  sizes = (batch if "b" in deps else 1, heads if "h" in deps else 1, seq_q, seq_kv)
+  return ("block mask: a constant built at trace time where mask_mod's arrays are closed "
+          "over; where they are traced (jit arguments), rebuilt in each call: mask_mod at "
+          f"{' x '.join(map(str, sizes))} (b, h, q, kv) positions (~{math.prod(sizes) / 1e6:.3g} "
+          "M); build it once per batch with pallas_attn.block_mask(...) and pass block_mask= "
+          "to avoid that")
