@@ -1,0 +1,209 @@
+"""Block-mask build cost: eager `pa.block_mask` next to FlexAttention's
+`create_block_mask`, and a document-masked forward with a prebuilt mask
+against one built inside the jitted call.
+
+Run on the GPU machine: `python benchmarks/bench_block_mask.py --out DIR`.
+Writes DIR/block_mask.json and prints a short table last. `--small` runs
+tiny shapes (on CPU, interpret mode) to check the script.
+
+* Eager builds (B=1, H=16; Flex with B=H=None, the same work since none of
+  the masks depends on h): the first call (compilation) and the median of
+  later calls, each waited for. Causal and sliding-window masks pass the
+  same function each call; the document mask (8 documents, causal) a new
+  closure over new ids of the same shape each call, as a per-batch build
+  does, on both sides (`documents_8_same`: one closure every call;
+  `documents_8_jit`: ours inside a jitted function of the ids).
+* Forward (bf16, B=1, H=16, d=128, 8 documents): `prebuilt` passes
+  block_mask= built at the forward's tiles; `built_in_jit` passes the ids
+  as a jit argument, so the mask is built inside every call; `closed_over`
+  closes over concrete ids, so the mask is built once at trace time. Timed
+  by device throughput (`median_time_ms`) and, with PyTorch, by kernel time
+  (`kernel_time.py`, per kernel in the JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_attn as pa
+from bench_forward import environment, inputs
+from bench_masks import _flex_masks, causal, documents, window
+from kernel_time import kernel_time_ms
+from pallas_attn.api import resolve_config
+from pallas_attn.schedule.timing import median_time_ms
+
+DOCUMENTS = 8
+ID_SETS = 4  # document ids the per-batch builds cycle through
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def document_mask(ids):
+  """Causal attention within the documents of `ids` [B, S] (`bench_masks.documents`' mask)."""
+  return lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (qi >= ki)
+
+
+def id_sets(seq):
+  """`ID_SETS` [1, S] ids of 8 documents: `documents`' ids, then with the boundaries moved."""
+  positions = jnp.arange(seq, dtype=jnp.int32)
+  return [jnp.minimum((positions + n * seq // (2 * DOCUMENTS * ID_SETS)) * DOCUMENTS // seq,
+                      DOCUMENTS - 1)[None] for n in range(ID_SETS)]
+
+
+def call_times_ms(call, wait, calls):
+  """(first call, median of the `calls` after it) in ms, each call waited for."""
+  times = []
+  for _ in range(calls + 1):
+    start = time.perf_counter()
+    wait(call())
+    times.append((time.perf_counter() - start) * 1e3)
+  return times[0], statistics.median(times[1:])
+
+
+def eager_calls(seq, heads):
+  """name -> zero-argument call building the next block mask (B=1).
+
+  `documents_8_jit` builds inside a jitted function of the ids, the way to
+  build per batch without tracing a new closure each time.
+  """
+  ids = id_sets(seq)
+  cycle = itertools.cycle(ids)
+  build = lambda mask_mod: pa.block_mask(mask_mod, 1, heads, seq, seq)
+  sliding, same_ids = window(1024), document_mask(ids[0])
+  in_jit = jax.jit(lambda ids: build(document_mask(ids)))
+  return {"causal": lambda: build(causal), "sliding_window_1024": lambda: build(sliding),
+          f"documents_{DOCUMENTS}": lambda: build(document_mask(next(cycle))),
+          f"documents_{DOCUMENTS}_same": lambda: build(same_ids),
+          f"documents_{DOCUMENTS}_jit": lambda: in_jit(next(cycle))}
+
+
+def flex_calls(seq):
+  """`eager_calls` with Flex's eager `create_block_mask` (`bench_masks`' Flex
+  masks, B=H=None), where it has the same call; {} without torch."""
+  if not HAVE_TORCH:
+    return {}
+  import torch
+  from torch.nn.attention.flex_attention import create_block_mask
+  fixed = _flex_masks(torch, seq)  # its documents' ids are id_sets' first
+  cycle = itertools.cycle([torch.from_numpy(np.asarray(ids[0])).cuda() for ids in id_sets(seq)])
+  document = lambda ids: lambda b, h, qi, ki: (ids[qi] == ids[ki]) & (qi >= ki)
+  build = lambda mask_mod: create_block_mask(mask_mod, None, None, seq, seq, device="cuda")
+  return {"causal": lambda: build(fixed["causal"]),
+          "sliding_window_1024": lambda: build(fixed["sliding_window_1024"]),
+          f"documents_{DOCUMENTS}": lambda: build(document(next(cycle))),
+          f"documents_{DOCUMENTS}_same": lambda: build(fixed[f"documents_{DOCUMENTS}"])}
+
+
+def _cuda_wait(_):
+  import torch
+  torch.cuda.synchronize()
+
+
+def eager_rows(seqs, heads, calls, errors):
+  rows = []
+  for seq in seqs:
+    flex = {}
+    try:
+      flex = {name: call_times_ms(call, _cuda_wait, calls)
+              for name, call in flex_calls(seq).items()}
+    except Exception as e:
+      errors.append(f"flex build S={seq}: {type(e).__name__}: {str(e)[:200]}")
+    for name, call in eager_calls(seq, heads).items():
+      first, later = call_times_ms(call, jax.block_until_ready, calls)
+      flex_first, flex_later = flex.get(name, (None, None))
+      row = dict(seq=seq, mask=name, first_ms=first, ms=later, flex_first_ms=flex_first,
+                 flex_ms=flex_later)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  return rows
+
+
+def forward_rows(seq, heads, d, reps, errors):
+  """The document-masked forward three ways (see the module docstring)."""
+  q, k, v = inputs(1, seq, heads, d, d)
+  ids = documents(1, seq, DOCUMENTS)[0]
+  mask = document_mask(ids)
+  cfg = resolve_config(None, "forward", pa.analyze_variant(mask_mod=mask), q, k, v)
+  bm = pa.block_mask(mask, 1, heads, seq, seq, block_q=cfg.block_q, block_kv=cfg.block_k)
+  cases = {
+      "prebuilt": (lambda q, k, v, bm: pa.attention(q, k, v, mask_mod=mask, block_mask=bm),
+                   (q, k, v, bm)),
+      "built_in_jit": (lambda q, k, v, ids: pa.attention(q, k, v, mask_mod=document_mask(ids)),
+                       (q, k, v, ids)),
+      "closed_over": (lambda q, k, v: pa.attention(q, k, v, mask_mod=mask), (q, k, v)),
+  }
+  rows = []
+  for name, (fn, args) in cases.items():
+    jitted = jax.jit(fn)
+    run = lambda: jitted(*args)
+    jax.block_until_ready(run())
+    row = dict(case=name, seq=seq, block_q=cfg.block_q, block_k=cfg.block_k,
+               ms=median_time_ms(run, reps=reps), kernel_ms=None, kernels=None)
+    try:
+      if HAVE_TORCH:
+        row["kernel_ms"], row["kernels"] = kernel_time_ms(run)
+    except Exception as e:
+      errors.append(f"kernel time {name}: {type(e).__name__}: {str(e)[:200]}")
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--small", action="store_true",
+                      help="tiny shapes, to check the script on CPU (interpret mode)")
+  args = parser.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  seqs, heads, d, calls = ((256, 512), 2, 32, 3) if args.small else ((4096, 8192, 16384), 16,
+                                                                      128, 20)
+  reps = 3 if args.small else 10
+  results = {"environment": environment(), "heads": heads, "d": d, "errors": []}
+  results["eager"] = eager_rows(seqs, heads, calls, results["errors"])
+  results["forward"] = forward_rows(seqs[-1], heads, d, reps, results["errors"])
+  with open(os.path.join(args.out, "block_mask.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print_table(results)
+
+
+def _ms(x):
+  return "n/a" if x is None else f"{x:.3f}"
+
+
+def _vs(ms, prebuilt_ms):
+  return "n/a" if not ms or not prebuilt_ms else f"{(ms / prebuilt_ms - 1) * 100:+.0f}%"
+
+
+def print_table(results):
+  env = results["environment"]
+  print(f"\n{env['device']}  {env['date']}  jax {env['jax']}  torch {env['torch']}")
+  print(f"eager block mask ms (B=1 H={results['heads']}, ours on the default tiles, Flex on "
+        "128x128; later calls: median, each waited for)")
+  print(f"  {'S':>6} {'mask':<21} {'first':>9} {'later':>7} {'flex':>7} {'flex/ours':>9}")
+  for r in results["eager"]:
+    ratio = "n/a" if not r["flex_ms"] else f"{r['flex_ms'] / r['ms']:.1f}"
+    print(f"  {r['seq']:>6} {r['mask']:<21} {_ms(r['first_ms']):>9} {_ms(r['ms']):>7} "
+          f"{_ms(r['flex_ms']):>7} {ratio:>9}")
+  rows = results["forward"]
+  print(f"document-masked forward ms (bf16 B1 H{results['heads']} d{results['d']}, "
+        f"S={rows[0]['seq']}, {rows[0]['block_q']}x{rows[0]['block_k']} tiles)")
+  for r in rows:
+    print(f"  {r['case']:<13} throughput {_ms(r['ms'])} ({_vs(r['ms'], rows[0]['ms'])})  "
+          f"kernels {_ms(r['kernel_ms'])} ({_vs(r['kernel_ms'], rows[0]['kernel_ms'])})")
+  for e in results["errors"]:
+    print("  error:", e)
+
+
+if __name__ == "__main__":
+  main()
