@@ -80,7 +80,7 @@ class VariantAnalysis:
         lines.append(f"  reads {use.describe(shape)}: loads {blocking} per tile")
     if self.mask_mod is not None:
       broadcast = [n for n in ("b", "h") if n not in self.mask_deps]
-      lines.append("block sparsity: mask is index-only; block mask built once"
+      lines.append("block sparsity: tiles classified from mask_mod (what the build costs: the 'block mask' line of pallas-attn explain)"
                    + (f", broadcast over {'/'.join(broadcast)}" if broadcast else ""))
     lines.append(f"fingerprint: {self.fingerprint()}")
     return "\n".join(lines)
