@@ -9,7 +9,9 @@ import jax.numpy as jnp
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
+from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.schedule import cache as tuning_cache
+from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import is_concrete
@@ -43,11 +45,6 @@ def _validate(q, k, v):
     raise ValueError("sequence lengths must be positive")
 
 
-def padded_head_dim(d: int) -> int:
-  """Triton tiles are powers of two, at least 16 for the tensor cores."""
-  return max(16, next_power_of_2(d))
-
-
 def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
@@ -66,6 +63,8 @@ def _pad_to(x, axis, length):
 # the input itemsize).
 _CONFIG_SOURCES = {
     "forward": ("config", heuristic_config),
+    "forward_mosaic": ("config", lambda *dims, block_sparse, itemsize:
+                       lowering_lib.heuristic_mosaic_config(*dims)),
     "backward": ("bwd_config",
                  lambda *dims, block_sparse, itemsize: heuristic_backward_config(*dims)),
 }
@@ -77,18 +76,23 @@ def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) ->
   `pallas-attn tune`)."""
   arg_name, heuristic = _CONFIG_SOURCES[template]
   if isinstance(config, AttentionConfig):
+    if template == "forward_mosaic":
+      lowering_lib.check_mosaic_config(config)
     return config
   if config not in (None, "auto"):
     raise TypeError(f"{arg_name} must be an AttentionConfig, 'auto' or None; got {config!r}")
-  return (tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
-                                     k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
+  tuned = None
+  if template in search_space.TEMPLATES:  # the Mosaic forward is not tuned yet
+    tuned = tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
+                                       k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
+  return (tuned
           or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3],
                        block_sparse=analysis.mask_mod is not None, itemsize=q.dtype.itemsize))
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
               sinks=None, block_mask=None, config=None, bwd_config=None, interpret=None,
-              return_lse=False):
+              implementation=None, return_lse=False):
   """Attention with a user-defined variant, as one fused Pallas kernel.
 
   Layout as `jax.nn.dot_product_attention`: q `[B, Sq, Hq, Dqk]`, k
@@ -117,7 +121,12 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       (tuned cache entry if any, else a heuristic). With a mask_mod, the
       forward uses the block mask's block_q and block_k; the backward keeps
       its own, with tile lists re-tiled from the same mask.
-    interpret: None runs Pallas interpret mode on CPU and Triton on GPU.
+    interpret: None runs Pallas interpret mode on CPU and compiled kernels on GPU.
+    implementation: the forward's lowering. None: Mosaic GPU (the Hopper
+      template: TMA, wgmma, warp specialization) on sm_90+ GPUs when it can
+      lower the variant, else Triton (`pallas-attn explain` says why);
+      "mosaic_gpu" or "triton" to insist (an error if it cannot run). The
+      backward runs on Triton.
     return_lse: also return the row statistic `[B, Hq, Sq]` float32:
       log-sum-exp for softmax (the sink's term included), the divisor h(stats) for normalized
       rownorms, None for elementwise rownorms.
@@ -131,16 +140,25 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   """
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  cfg = resolve_config(config, "forward", analysis, q, k, v)
-  bwd_cfg = resolve_config(bwd_config, "backward", analysis, q, k, v)
   interpret = backend.resolve_interpret(interpret)
+  lowering = lowering_lib.choose(implementation, analysis, q.dtype, q.shape[3], v.shape[3],
+                                 interpret, config)
+  forward_template = "forward_mosaic" if lowering.forward == lowering_lib.MOSAIC_GPU else "forward"
+  cfg = resolve_config(config, forward_template, analysis, q, k, v)
+  bwd_cfg = resolve_config(bwd_config, "backward", analysis, q, k, v)
   block_masks = _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret)
   if block_masks is not None:
     fwd_mask, bwd_mask = block_masks
+    if forward_template == "forward_mosaic":
+      fwd_mask = _retiled(fwd_mask, cfg.block_q, cfg.block_k)
+      block_masks = fwd_mask, bwd_mask
     cfg = dataclasses.replace(cfg, block_q=fwd_mask.block_q, block_k=fwd_mask.block_k)
+    if forward_template == "forward_mosaic":
+      lowering_lib.check_mosaic_config(cfg)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
   sinks = _resolve_sinks(sinks, analysis, q.shape[2])
-  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret)
+  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret,
+                         lowering.forward)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)
@@ -223,20 +241,21 @@ def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):
                      f"({batch}, {heads})")
 
 
-def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret):
+def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret,
+               forward_lowering):
   """Pads to the blocks of both passes, runs the differentiable core, unpads."""
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
   seq_q_pad = _round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
   seq_kv_pad = _round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
-  d_qk_pad, d_v_pad = padded_head_dim(d_qk), padded_head_dim(d_v)
+  d_qk_pad, d_v_pad = (lowering_lib.padded_head_dim(d, forward_lowering) for d in (d_qk, d_v))
   qp = _pad_to(_pad_to(q, 1, seq_q_pad), 3, d_qk_pad)
   kp = _pad_to(_pad_to(k, 1, seq_kv_pad), 3, d_qk_pad)
   vp = _pad_to(_pad_to(v, 1, seq_kv_pad), 3, d_v_pad)
   spec = attention_vjp.CoreSpec(
       analysis=analysis, scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
       seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
-      config=cfg, bwd_config=bwd_cfg, interpret=interpret)
+      config=cfg, bwd_config=bwd_cfg, interpret=interpret, forward_lowering=forward_lowering)
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
                  for prog in (analysis.score_mod, analysis.mask_mod))
   out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)

@@ -159,6 +159,9 @@ def cmd_explain(args) -> int:
   device = device_config()
   print(f"variant {args.variant}")
   print(analysis.describe())
+  from pallas_attn.kernels import backend, lowering
+  print(lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
+                        backend.default_interpret()).describe())
   if analysis.mask_mod is not None:
     from pallas_attn.kernels.block_mask import describe_build
     print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))

@@ -9,13 +9,21 @@ to the row statistics; a row with nothing kept finalizes to zeros.
 For the normalized class the state also tracks, per max statistic, the
 first kv position reaching the row max, so that the backward sends the
 max's gradient there without comparing recomputed floats.
+
+The algebra is written once for every lowering; `RowLayout` says how a
+lowering holds per-row values next to its tiles (Triton: `[rows, 1]`
+columns that broadcast; Mosaic GPU: `[rows]` vectors in the reduced
+accumulator layout, broadcast explicitly), and `weigh` stops before the
+weights-times-values product, which each lowering issues its own way.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_attn.kernels import backend
 from pallas_attn.spec import blockeval
@@ -42,11 +50,46 @@ def _keep(x, keep, fill):
   return x if keep is None else jnp.where(keep, x, fill)
 
 
+def _identity(x):
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+  """How per-row values sit next to `[rows, cols]` tiles.
+
+  keepdims: rows are `[rows, 1]` columns that broadcast implicitly (Triton);
+  else `[rows]` vectors broadcast with `broadcast_in_dim` (Mosaic GPU).
+  `place_rows` / `place_tile` give a fresh constant the lowering's layout.
+  """
+  keepdims: bool = True
+  place_rows: Callable = _identity
+  place_tile: Callable = _identity
+
+  def full(self, rows: int, value):
+    shape = (rows, 1) if self.keepdims else (rows,)
+    return self.place_rows(jnp.full(shape, value, jnp.float32))
+
+  def zeros_tile(self, rows: int, cols: int):
+    return self.place_tile(jnp.zeros((rows, cols), jnp.float32))
+
+  def reduce(self, op, x):
+    return op(x, axis=1, keepdims=True) if self.keepdims else op(x, axis=1)
+
+  def expand(self, row, shape):
+    """A row value broadcast over a tile of `shape`."""
+    return row if self.keepdims else lax.broadcast_in_dim(row, shape, (0,))
+
+
+KEEPDIMS = RowLayout()
+
+
 @dataclasses.dataclass(frozen=True)
 class OnlineRowNorm:
   rownorm: RowNorm
   fp32_exact: bool
   fast_math: bool = False  # approximate transcendentals (backend.fast_math_overrides)
+  rows: RowLayout = KEEPDIMS
 
   @property
   def kind(self) -> str:
@@ -67,16 +110,15 @@ class OnlineRowNorm:
   def init(self, rows: int, dv: int, sink2=None):
     """The empty row state. Softmax with a sink (a log2-domain logit) starts
     as if one key of that logit and value 0 had been folded in."""
-    acc = jnp.zeros((rows, dv), jnp.float32)
+    acc, full = self.rows.zeros_tile(rows, dv), self.rows.full
     if self.kind == "softmax":
       if sink2 is None:
-        return (acc, jnp.full((rows, 1), -jnp.inf, jnp.float32),
-                jnp.zeros((rows, 1), jnp.float32))
-      m = jnp.broadcast_to(jnp.asarray(sink2, jnp.float32), (rows, 1))
+        return (acc, full(rows, -jnp.inf), full(rows, 0.0))
+      m = full(rows, 0.0) + jnp.asarray(sink2, jnp.float32)
       return (acc, m, jnp.where(m == -jnp.inf, 0.0, 1.0))
-    stats = tuple(jnp.full((rows, 1), 0.0 if st.reducer == "sum" else -jnp.inf, jnp.float32)
+    stats = tuple(full(rows, 0.0 if st.reducer == "sum" else -jnp.inf)
                   for st in self.rownorm.stats)
-    argmaxes = tuple(jnp.full((rows, 1), -1.0, jnp.float32) for _ in self._max_stats())
+    argmaxes = tuple(full(rows, -1.0) for _ in self._max_stats())
     return (acc, stats, argmaxes)
 
   def _max_stats(self):
@@ -93,47 +135,59 @@ class OnlineRowNorm:
   def update(self, state, s, keep, v, *, kv_idx=None, log2_logits=None):
     """Folds one tile in. `log2_logits`, if given, replaces `weights(s)`;
     `kv_idx` (the tile's key positions) is needed by max statistics."""
+    w, acc_factor, state = self.weigh(state, s, keep, kv_idx=kv_idx, log2_logits=log2_logits)
+    return (self.rescale(state[0], acc_factor) + self._pv(w, v),) + state[1:]
+
+  def rescale(self, acc, acc_factor):
+    """The accumulator times `weigh`'s per-row factor (None: unchanged)."""
+    return acc if acc_factor is None else acc * self.rows.expand(acc_factor, acc.shape)
+
+  def weigh(self, state, s, keep, *, kv_idx=None, log2_logits=None):
+    """One tile's row-statistics update, short of the accumulator: returns
+    (weights tile w, per-row factor for the accumulator or None, the state
+    with new statistics). The new accumulator is
+    `rescale(acc, factor) + w @ v`."""
     if self.kind == "softmax":
       acc, m, l = state
       t = self.weights(s) if log2_logits is None else log2_logits
       t = _keep(t, keep, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(t, axis=1, keepdims=True))
+      m_new = jnp.maximum(m, self.rows.reduce(jnp.max, t))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(t - m_safe)
-      l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
-      return (acc * alpha + self._pv(p, v), m_new, l)
+      p = jnp.exp2(t - self.rows.expand(m_safe, t.shape))
+      l = l * alpha + self.rows.reduce(jnp.sum, p)
+      return p, alpha, (acc, m_new, l)
     acc, stats, argmaxes = state
     w = _keep(self.weights(s), keep, 0.0)
     new_stats, new_argmaxes, argmaxes = [], [], iter(argmaxes)
     for st, val in zip(self.rownorm.stats, stats):
       f = run_tile_program(st.operand, s, self.fast_math)
       if st.reducer == "sum":
-        new_stats.append(val + jnp.sum(_keep(f, keep, 0.0), axis=1, keepdims=True))
+        new_stats.append(val + self.rows.reduce(jnp.sum, _keep(f, keep, 0.0)))
         continue
       f = _keep(f, keep, -jnp.inf)
-      tile_max = jnp.max(f, axis=1, keepdims=True)
-      first = jnp.min(jnp.where(f == tile_max, kv_idx, jnp.iinfo(jnp.int32).max),
-                      axis=1, keepdims=True)
+      tile_max = self.rows.reduce(jnp.max, f)
+      at_max = f == self.rows.expand(tile_max, f.shape)
+      first = self.rows.reduce(jnp.min, jnp.where(at_max, kv_idx, jnp.iinfo(jnp.int32).max))
       new_argmaxes.append(jnp.where(tile_max > val, first.astype(jnp.float32), next(argmaxes)))
       new_stats.append(jnp.maximum(val, tile_max))
-    return (acc + self._pv(w, v), tuple(new_stats), tuple(new_argmaxes))
+    return w, None, (acc, tuple(new_stats), tuple(new_argmaxes))
 
   def finalize(self, state):
     """(output tile, row statistic): lse for softmax, h(stats) for normalized."""
     if self.kind == "softmax":
       acc, m, l = state
       empty = l == 0.0
-      out = acc / jnp.where(empty, 1.0, l)
+      out = self.rescale(acc, 1.0 / jnp.where(empty, 1.0, l))
       lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
       return out, lse
     acc, stats, _ = state
     if self.kind == "elementwise":
-      return acc, jnp.zeros((acc.shape[0], 1), jnp.float32)
+      return acc, self.rows.full(acc.shape[0], 0.0)
     h = self.row_factor(stats)
     factor = 1.0 / h if self.rownorm.combine == "div" else h
     factor = jnp.where(jnp.isfinite(factor), factor, 0.0)
-    return acc * factor, h
+    return self.rescale(acc, factor), h
 
   def row_statistics(self, state):
     """The backward's residuals of the normalized class: the raw row
@@ -141,6 +195,6 @@ class OnlineRowNorm:
     return (*state[1], *state[2]) if self.kind == "normalized" else ()
 
   def row_factor(self, stats):
-    """h(stats) for the normalized class, as a `[rows, 1]` column."""
+    """h(stats) for the normalized class, as a row value (see RowLayout)."""
     h = run_row_program(self.rownorm.factor, *stats)
     return jnp.broadcast_to(h.astype(jnp.float32), stats[0].shape)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -177,6 +178,10 @@ class TileContext:
   blocked: str     # which sequence axis the grid blocks ('q' or 'kv')
   head_block: int = 1  # query heads per program (see capture_block_spec)
   fast_math: bool = False  # approximate transcendentals (backend.fast_math_overrides)
+  # Reads a non-gather capture as a tile: `(ref, operand, start, size) ->
+  # value`, the other sequence axis read at `pl.ds(start, size)`. None: the
+  # Triton templates' blocked refs (`load_capture`).
+  loader: Callable | None = None
 
   def _load_uses(self, prog, refs, offset, inputs, start, size):
     """(one loaded tile per use of `prog`, refs from `offset` on; the flat
@@ -196,6 +201,8 @@ class TileContext:
         indices = blockeval.evaluate(jaxpr, env, use.index_vars, prog.skip)
         flat = operand.flat_index(indices)
         value = gather_capture(ref, operand, flat, head)
+      elif self.loader is not None:
+        flat, value = None, self.loader(ref, operand, start, size)
       else:
         flat = None
         value = load_capture(ref, operand, blocked=self.blocked, start=start, size=size,

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_attn.kernels import parallel_forward, tiles
+from pallas_attn.kernels import lowering, parallel_forward, tiles
 from pallas_attn.kernels.online import LOG2E, run_row_program
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
@@ -51,6 +51,7 @@ class CoreSpec:
   config: AttentionConfig
   bwd_config: AttentionConfig
   interpret: bool
+  forward_lowering: str = lowering.TRITON  # kernels/lowering.py
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -71,8 +72,13 @@ def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
   lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
-  return parallel_forward.forward(q, k, v, capture_arrays, sinks, lists, plan=plan,
-                                  config=spec.config, interpret=spec.interpret)
+  if spec.forward_lowering == lowering.MOSAIC_GPU:
+    from pallas_attn.kernels import mosaic_forward
+    template = mosaic_forward
+  else:
+    template = parallel_forward
+  return template.forward(q, k, v, capture_arrays, sinks, lists, plan=plan,
+                          config=spec.config, interpret=spec.interpret)
 
 
 @functools.partial(

@@ -1,0 +1,229 @@
+"""The parallel forward template, lowered with Pallas Mosaic GPU (Hopper).
+
+Same template as kernels/parallel_forward.py (one program per q block,
+batch and query head folding kv tiles into the online row state), laid out
+the way FlashAttention-3 uses a Hopper SM: one producer warpgroup streams
+K/V tiles by TMA into a ring of `num_stages` shared-memory slots, and
+`block_q / 64` consumer warpgroups of 64 query rows each run QK^T and PV
+with `wgmma`. With two consumers a shared barrier ping-pongs them, so that
+one's softmax overlaps the other's matrix products.
+
+What is variant-specific comes from the same places as the Triton
+template's: score_mod and mask_mod run on `[64, block_k]` accumulator-layout
+tiles through tiles.TileContext (indices as full iota tiles, captured arrays
+read from device memory by mosaic_backend.capture_loader), and the row
+state is online.OnlineRowNorm with Mosaic's row layout. Producer and
+consumers visit the same kv blocks in the same order: the full ones of the
+q block's list unmasked, then the partial ones masked (or, without a block
+mask, every key block, the ragged last one masked).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import mosaic_backend as mb
+from pallas_attn.kernels.online import LOG2E
+from pallas_attn.kernels.parallel_forward import ForwardPlan
+from pallas_attn.schedule.config import AttentionConfig
+
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = {1: 232, 2: 232}
+
+
+def _visits(plan: ForwardPlan, list_refs, b, h, qi):
+  """((count, kv block of entry j) for the unmasked visits, the same for the
+  masked ones) of q block `qi`."""
+  if list_refs is not None:
+    partial_num, partial_idx, full_num, full_idx = list_refs
+    pick = lambda ref, axis, i: i if ref.shape[axis] > 1 else 0
+    bb, hh = pick(partial_num, 0, b), pick(partial_num, 1, h)
+    return ((full_num[bb, hh, qi], lambda j: full_idx[bb, hh, qi, j]),
+            (partial_num[bb, hh, qi], lambda j: partial_idx[bb, hh, qi, j]))
+  if plan.analysis.mask_mod is not None:
+    return (0, None), (plan.num_kv_blocks, lambda j: j)
+  plain = plan.seq_kv // plan.block_k
+  return (plain, lambda j: j), (plan.num_kv_blocks - plain, lambda j: plain + j)
+
+
+def _visit(visits, body, carry):
+  """Folds `body(step, kv_block, masked, carry)` over the unmasked visits,
+  then the masked ones; `step` counts visits from 0 across both."""
+  (full_num, full_at), (partial_num, partial_at) = visits
+  if full_at is not None:
+    carry = lax.fori_loop(0, full_num, lambda j, c: body(j, full_at(j), False, c), carry)
+  return lax.fori_loop(0, partial_num,
+                       lambda j, c: body(full_num + j, partial_at(j), True, c), carry)
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
+            num_q_blocks: int, shared_qo: bool):
+  n_caps = len(plan.operands)
+  cap_refs, rest = refs[:n_caps], refs[n_caps:]
+  sink_ref = None
+  if plan.has_sink:
+    sink_ref, rest = rest[0], rest[1:]
+  list_refs = None
+  if plan.block_sparse:
+    list_refs, rest = rest[:4], rest[4:]
+  out_ref, lse_ref, q_smem, *rest = rest
+  o_smem = q_smem if shared_qo else rest.pop(0)
+  lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
+  dtype = q_ref.dtype
+  bk, rows = plan.block_k, mb.WG_ROWS
+  qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
+  b, h = lax.axis_index("b"), lax.axis_index("h")
+  wg = lax.axis_index("wg")
+  visits = _visits(plan, list_refs, b, h, qi)
+  num_visits = visits[0][0] + visits[1][0]
+
+  def schedule_barrier():
+    if schedule:
+      mb.plgpu.barrier_arrive(schedule[0])
+      mb.plgpu.barrier_wait(schedule[0])
+
+  @pl.when(wg == consumers)
+  def _producer():
+    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
+
+    def load(step, kv_block, masked, carry):
+      del masked
+      slot = lax.rem(step, stages)
+      rows_kv = (b, pl.ds(kv_block * bk, bk), kv_head)
+
+      @pl.when(step >= stages)
+      def _():
+        mb.plgpu.barrier_wait(k_free.at[slot])
+      mb.plgpu.copy_gmem_to_smem(k_ref.at[rows_kv], k_smem.at[slot], k_ready.at[slot])
+
+      @pl.when(step >= stages)
+      def _():
+        mb.plgpu.barrier_wait(v_free.at[slot])
+      mb.plgpu.copy_gmem_to_smem(v_ref.at[rows_kv], v_smem.at[slot], v_ready.at[slot])
+      return carry
+
+    _visit(visits, load, None)
+
+  @pl.when(wg < consumers)
+  def _consumer():
+    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS[consumers], action="increase")
+    q_start = qi * plan.block_q + wg * rows
+    q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
+    mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
+    tile = dataclasses.replace(plan.tile, fast_math=False,
+                               loader=mb.capture_loader(b, h, q_start, rows))
+    online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
+    fold = plan.folds_log2
+    qk_scale = plan.scale * LOG2E if fold else plan.scale
+    q_idx = mb.tile_indices(q_start, (rows, bk), 0)
+    sink2 = None if sink_ref is None else sink_ref[h]
+    state = online.init(rows, v_ref.shape[-1], sink2)
+    mb.plgpu.barrier_wait(q_ready.at[wg])
+
+    @pl.when(num_visits > 0)
+    def _():
+      mb.plgpu.barrier_wait(k_ready.at[0])
+
+    if schedule:
+      pl.when(wg == 1)(schedule_barrier)
+
+    def fold_block(step, kv_block, masked: bool, state):
+      slot = lax.rem(step, stages)
+      kv_start = kv_block * bk
+
+      def qk(acc_ref):
+        mb.plgpu.wgmma(acc_ref, q_tile, mb.plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        schedule_barrier()
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk, mb.plgpu.ACC((rows, bk), jnp.float32))
+      mb.plgpu.barrier_arrive(k_free.at[slot])
+      s = s * qk_scale
+      kv_idx = mb.tile_indices(kv_start, (rows, bk), 1)
+      s = tile.score(s, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+      w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx,
+                                          log2_logits=s if fold else None)
+      acc = online.rescale(state[0], acc_factor)
+      w = w.astype(dtype)
+      if schedule:
+        mb.plgpu.barrier_arrive(schedule[0])
+      mb.plgpu.barrier_wait(v_ready.at[slot])
+      if schedule:
+        mb.plgpu.barrier_wait(schedule[0])
+
+      def pv(acc_ref):
+        mb.plgpu.wgmma(acc_ref, w, v_smem.at[slot])
+        nxt = step + 1
+
+        @pl.when(nxt < num_visits)
+        def _():
+          mb.plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+      acc = pl.run_state(pv)(mb.plgpu.ACC.init(acc))
+      mb.plgpu.barrier_arrive(v_free.at[slot])
+      return (acc,) + tuple(state[1:])
+
+    state = _visit(visits, fold_block, state)
+    if schedule:
+      pl.when(wg == 0)(schedule_barrier)
+    out, lse = online.finalize(state)
+    o_tile[...] = out.astype(dtype)
+    lse_tile[...] = lse
+    mb.plgpu.commit_smem()
+    mb.plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, pl.ds(q_start, rows), h])
+    mb.plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, pl.ds(q_start, rows)])
+    mb.plgpu.wait_smem_to_gmem(0)
+
+
+def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardPlan,
+            config: AttentionConfig, interpret: bool):
+  """Runs the Mosaic GPU forward on padded inputs; the contract of
+  parallel_forward.forward (softmax and elementwise rownorms: no row
+  statistics beyond the lse). `config.block_q` is the q rows per program
+  (64 per consumer warpgroup), `config.num_stages` the K/V ring depth."""
+  del interpret  # compiled only (mosaic_backend.unavailable)
+  batch, seq_q_pad, heads, d_qk = q.shape
+  d_v = v.shape[-1]
+  consumers = plan.block_q // mb.WG_ROWS
+  stages = max(1, min(config.num_stages, plan.num_kv_blocks))
+  num_q_blocks = seq_q_pad // plan.block_q
+  transforms = mb.smem_transforms()
+  # The output tile reuses q's shared memory when the head dims agree.
+  shared_qo = d_qk == d_v
+  scratch = [mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_qk), q.dtype, transforms=transforms)]
+  if not shared_qo:
+    scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_v), q.dtype, transforms=transforms))
+  scratch += [
+      mb.plgpu.SMEM((consumers, mb.WG_ROWS), jnp.float32),
+      mb.plgpu.SMEM((stages, plan.block_k, d_qk), k.dtype, transforms=transforms),
+      mb.plgpu.SMEM((stages, plan.block_k, d_v), v.dtype, transforms=transforms),
+      mb.plgpu.Barrier(num_barriers=consumers),
+      mb.plgpu.Barrier(num_barriers=stages),
+      mb.plgpu.Barrier(num_barriers=stages),
+      mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+      mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+  ]
+  if consumers == 2:
+    scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))
+  sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
+  kernel = mb.plgpu.kernel(
+      functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,
+                        num_q_blocks=num_q_blocks, shared_qo=shared_qo),
+      out_type=[jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), q.dtype),
+                jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32)],
+      scratch_types=scratch,
+      grid=(num_q_blocks, batch, heads),
+      grid_names=("q", "b", "h"),
+      num_threads=consumers + 1,
+      thread_name="wg",
+      compiler_params=mb.compiler_params(plan.fast_math),
+  )
+  out, lse = kernel(q, k, v, *capture_arrays, *sink_inputs, *block_mask_arrays)
+  return out, lse, None

@@ -1,0 +1,164 @@
+"""The Mosaic GPU forward template against the float32 reference (compiled on
+Hopper GPUs), and the choice of lowering (everywhere)."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_attn as pa
+from pallas_attn import variants
+from pallas_attn.kernels import lowering, mosaic_backend
+from pallas_attn.spec.analysis import analyze_variant
+from conftest import ON_GPU, assert_close, qkv, random
+
+HOPPER = ON_GPU and mosaic_backend.unavailable() is None
+hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
+
+B, HQ, HKV = 2, 4, 2
+
+
+def _variant(name, seq_q, seq_kv):
+  """(attention kwargs, reference kwargs) of a named test variant."""
+  if name == "vanilla":
+    kw = {}
+  elif name == "causal":
+    kw = variants.causal().kwargs()
+  elif name == "softcap":
+    kw = variants.softcap(30.0).kwargs()
+  elif name == "alibi":
+    kw = variants.alibi(num_heads=HQ).kwargs()
+  elif name == "window":
+    kw = variants.sliding_window(96).kwargs()
+  elif name == "documents":
+    ids = jnp.sort(jax.random.randint(jax.random.PRNGKey(3), (B, seq_kv), 0, 5), axis=1)
+    kw = variants.document(ids, causal=True).kwargs() if seq_q == seq_kv else {}
+  elif name == "sigmoid":
+    kw = variants.sigmoid(seq_kv=seq_kv).kwargs()
+  elif name == "sinks":
+    kw = variants.sink(random((HQ,), seed=9)).kwargs()
+  elif name == "key_bias":  # a [B, Skv] captured array
+    bias = random((B, seq_kv), seed=5)
+    kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, ki])
+  elif name == "row_bias":  # a [B, H, Sq] captured array
+    bias = random((B, HQ, seq_q), seed=6)
+    kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi])
+  elif name == "tile_bias":  # a full [B, H, Sq, Skv] captured array
+    bias = random((B, HQ, seq_q, seq_kv), seed=7)
+    kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi, ki])
+  else:
+    raise KeyError(name)
+  return kw
+
+
+VARIANTS = ["vanilla", "causal", "softcap", "alibi", "window", "documents", "sigmoid", "sinks",
+            "key_bias", "row_bias", "tile_bias"]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_variants_ragged_gqa(name, dtype):
+  seq = 333
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=dtype)
+  kw = _variant(name, seq, seq)
+  out = pa.attention(q, k, v, implementation="mosaic_gpu", **kw)
+  ref = pa.attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                               v.astype(jnp.float32), **kw)
+  assert_close(out, ref, dtype)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_q,seq_kv,d_qk,d_v", [
+    (200, 520, 64, 64), (520, 200, 128, 128), (64, 1000, 256, 256), (300, 300, 192, 128),
+    (1, 77, 128, 128), (129, 129, 96, 32)])
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
+def test_shapes(seq_q, seq_kv, d_qk, d_v, masked):
+  q, k, v = qkv(batch=1, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=1, d_qk=d_qk, d_v=d_v,
+                dtype=jnp.bfloat16, seed=seq_q)
+  kw = variants.causal(seq_q=seq_q, seq_kv=seq_kv).kwargs() if masked else {}
+  out, lse = pa.attention(q, k, v, implementation="mosaic_gpu", return_lse=True, **kw)
+  ref, ref_lse = pa.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                        return_lse=True, **kw)
+  assert_close(out, ref, jnp.bfloat16)
+  finite = jnp.isfinite(ref_lse)
+  assert bool(jnp.all(jnp.isfinite(lse) == finite))
+  assert_close(jnp.where(finite, lse, 0.0), jnp.where(finite, ref_lse, 0.0), jnp.bfloat16)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vanilla", "causal", "alibi", "sinks", "key_bias"])
+def test_gradients_through_mosaic_forward(name):
+  seq = 200
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=64, d_v=64,
+                dtype=jnp.bfloat16, seed=1)
+  kw = _variant(name, seq, seq)
+  do = random((B, seq, HQ, 64), jnp.bfloat16, seed=4)
+
+  def loss(fn, q, k, v):
+    return jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * do.astype(jnp.float32))
+
+  ours = jax.grad(lambda *x: loss(lambda *a, **w: pa.attention(
+      *a, implementation="mosaic_gpu", **w), *x), argnums=(0, 1, 2))(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  refs = jax.grad(lambda *x: loss(pa.attention_reference, *x), argnums=(0, 1, 2))(*f32)
+  for g, r in zip(ours, refs):
+    assert_close(g, r, jnp.bfloat16, factor=2.0)
+
+
+@hopper
+@pytest.mark.gpu
+def test_default_is_mosaic_on_hopper_and_agrees_with_triton():
+  q, k, v = qkv(batch=1, seq_q=512, seq_kv=512, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16)
+  kw = variants.causal().kwargs()
+  analysis = analyze_variant(**kw)
+  assert lowering.choose(None, analysis, q.dtype, 128, 128, False).forward == "mosaic_gpu"
+  mosaic = pa.attention(q, k, v, **kw)
+  triton = pa.attention(q, k, v, implementation="triton", **kw)
+  assert_close(mosaic, triton.astype(jnp.float32), jnp.bfloat16)
+
+
+def test_choice_without_a_hopper_gpu_falls_back_and_says_why():
+  analysis = analyze_variant(**variants.causal().kwargs())
+  chosen = lowering.choose(None, analysis, jnp.bfloat16, 128, 128, interpret=not ON_GPU)
+  if not HOPPER:
+    assert chosen.forward == "triton"
+    assert "mosaic_gpu not used" in chosen.describe()
+    with pytest.raises(ValueError, match="implementation='mosaic_gpu' cannot run"):
+      lowering.choose("mosaic_gpu", analysis, jnp.bfloat16, 128, 128, interpret=not ON_GPU)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(dtype=jnp.float32), "float32 inputs"),
+    (dict(d_qk=512), "over 256"),
+    (dict(rownorm=lambda r: r / jnp.sum(jnp.abs(r), axis=-1, keepdims=True)), "normalized"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s + jnp.floor(qi / 7.0)), "floor"),
+])
+def test_mosaic_obstacles_are_named(kwargs, reason, monkeypatch):
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  dtype = kwargs.pop("dtype", jnp.bfloat16)
+  d_qk = kwargs.pop("d_qk", 128)
+  analysis = analyze_variant(**kwargs)
+  why = lowering.mosaic_obstacle(analysis, dtype, d_qk, 128, interpret=False)
+  assert why is not None and reason in why
+
+
+def test_gather_and_triton_config_keep_triton(monkeypatch):
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  table = jnp.zeros((HQ, 63))
+  analysis = analyze_variant(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 31])
+  assert "gathers" in lowering.mosaic_obstacle(analysis, jnp.bfloat16, 64, 64, False)
+  plain = analyze_variant()
+  small = pa.AttentionConfig(block_q=16, block_k=16)
+  chosen = lowering.choose(None, plain, jnp.bfloat16, 64, 64, False, small)
+  assert chosen.forward == "triton" and "block_q 64 or 128" in chosen.reason
+  assert lowering.choose(None, plain, jnp.bfloat16, 64, 64, False).forward == "mosaic_gpu"
+
+
+def test_unknown_implementation_is_an_error():
+  q, k, v = qkv()
+  with pytest.raises(ValueError, match="implementation must be"):
+    pa.attention(q, k, v, implementation="cuda")
