@@ -1,10 +1,13 @@
 """Block sparsity: tile classes against a dense mask, reuse, broadcasting, errors."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_attn as pa
+from pallas_attn import variants
 from pallas_attn.kernels import block_mask as bm_lib
 from pallas_attn.reference import dense_mask
 from conftest import MODES, assert_close, qkv
@@ -171,3 +174,104 @@ def test_block_mask_inside_jit_with_traced_captures():
   traced, eager = jax.jit(build)(ids), build(ids)
   for field in FIELDS:
     np.testing.assert_array_equal(getattr(traced, field), getattr(eager, field))
+
+
+def _expected(mask_mod, shape, block=16):
+  batch, heads, seq_q, seq_kv = shape
+  return dense_classes(np.asarray(dense_mask(mask_mod, batch, heads, seq_q, seq_kv)),
+                       seq_q, seq_kv, block, block)
+
+
+def _check_eager(mask_mod, shape=(2, 1, 45, 45)):
+  """`pa.block_mask` of mask_mod against its dense mask's classes."""
+  got = pa.block_mask(mask_mod, *shape, block_q=16, block_kv=16)
+  expected = _expected(mask_mod, shape)
+  np.testing.assert_array_equal(got.classes, expected[:got.classes.shape[0],
+                                                     :got.classes.shape[1]])
+
+
+def _no_trace(monkeypatch):
+  """Makes any trace of a mask_mod by `block_mask` fail the test."""
+  def fail(*_, **__):
+    raise AssertionError("mask_mod was traced")
+  monkeypatch.setattr(bm_lib, "analyze_variant", fail)
+  monkeypatch.setattr(bm_lib, "_traced_key", fail)
+
+
+def test_eager_closure_over_new_arrays_runs_without_a_trace(monkeypatch):
+  """A new closure of the same code over new ids of the same shape: the new ids' mask, no trace."""
+  ids = [jnp.array(np.sort(np.random.RandomState(seed).randint(0, 4, size=(2, 45))), jnp.int32)
+         for seed in (6, 7, 8)]
+  library = lambda x: variants.document(x, causal=True).mask_mod  # closures over closures
+  partial = lambda x: functools.partial(lambda ids, b, h, qi, ki: ids[b, qi] <= ids[b, ki], x)
+  for make in (documents, library, partial):
+    _check_eager(make(ids[0]))
+  _no_trace(monkeypatch)
+  for make in (documents, library, partial):
+    for x in ids[1:]:
+      _check_eager(make(x))
+
+
+def test_eager_closure_key_follows_python_values(monkeypatch):
+  """Closed-over numbers, defaults, mutable containers and globals are part of the key."""
+  window = lambda size: lambda b, h, qi, ki: (qi >= ki) & (qi - ki < size)
+  for size in (3, 17, 3, 40):
+    _check_eager(window(size))
+  scaled = lambda scale: lambda b, h, qi, ki: (qi - ki) * scale < 3.0
+  for scale in (0.5, 0.25, -0.0, 0.0):
+    _check_eager(scaled(scale))
+  for start in (4, 20):
+    _check_eager(lambda b, h, qi, ki, start=start: ki >= start)
+  params = {"width": 3}
+  mask_mod = lambda b, h, qi, ki: jnp.abs(qi - ki) < params["width"]
+  _check_eager(mask_mod)
+  params["width"] = 20  # the same function object, now another mask
+  _check_eager(mask_mod)
+  state = [7]
+
+  def nested(b, h, qi, ki):
+    return _helper(qi, ki, state[0])
+  _check_eager(nested)
+  state[0] = 30
+  _check_eager(nested)
+
+
+HELPER_OFFSET = 0
+
+
+def _helper(qi, ki, width):
+  return (qi + HELPER_OFFSET >= ki) & (qi - ki < width)
+
+
+def test_eager_closure_key_follows_globals(monkeypatch):
+  """A global a helper reads, rebound: the new value's mask (numbers and arrays alike)."""
+  mask_mod = lambda b, h, qi, ki: _helper(qi, ki, 9)
+  for offset in (0, 13):
+    monkeypatch.setattr(__import__(__name__), "HELPER_OFFSET", offset)
+    _check_eager(mask_mod)
+  global_docs = lambda b, h, qi, ki: DOCS[b, qi] == DOCS[b, ki]
+  _check_eager(global_docs)
+  other = jnp.array(np.sort(np.random.RandomState(9).randint(0, 5, size=(2, 45))), jnp.int32)
+  monkeypatch.setattr(__import__(__name__), "DOCS", other)
+  _check_eager(global_docs)
+
+
+def test_eager_closure_key_aliasing_and_fallbacks():
+  """One array captured twice is not two arrays; value-dependent traces and objects still work."""
+  a, b_ = (jnp.array(np.sort(np.random.RandomState(s).randint(0, 3, size=(2, 45))), jnp.int32)
+           for s in (10, 11))
+  pair = lambda q_ids, kv_ids: lambda b, h, qi, ki: q_ids[b, qi] == kv_ids[b, ki]
+  for q_ids, kv_ids in ((a, a), (a, b_), (b_, b_), (b_, a)):
+    _check_eager(pair(q_ids, kv_ids))
+  # int(width) bakes the value into the trace: each width must still give its own mask.
+  by_value = lambda width: lambda b, h, qi, ki: jnp.abs(qi - ki) < int(width)
+  for width in (3, 21):
+    _check_eager(by_value(jnp.int32(width)))
+
+  class Config:
+    width = 4
+  config = Config()
+  from_object = lambda b, h, qi, ki: jnp.abs(qi - ki) < config.width
+  _check_eager(from_object)
+  config.width = 15
+  _check_eager(from_object)

@@ -16,12 +16,15 @@ they are traced, in that trace.
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
@@ -307,6 +310,221 @@ def _positions(consts, captured):
   return None if None in positions else tuple(positions)
 
 
+# Eager builds without a trace. What mask_mod's trace can depend on is its
+# code and what that code reads: closure cells, defaults and the globals it
+# names, and so on through the functions among them. `_Walk` describes that
+# as a hashable key, with every concrete jax Array by its type alone and
+# collected as a leaf, so a new closure of the same code over new arrays of
+# the same shapes (per-batch document ids) finds the builder of the first
+# and passes it the new arrays. A key is cached only after a trace with the
+# leaves abstract shows that the jaxpr cannot depend on their values (as it
+# would through `int(x)`); values the walk cannot describe (objects, other
+# modules, tracers) fall back to tracing mask_mod on every call.
+
+class _Unkeyable(Exception):
+  """A value `_Walk` cannot describe."""
+
+
+_LIBRARIES = frozenset(["jax", "jaxlib", "numpy", "ml_dtypes", "math", "operator", "functools",
+                        "builtins", "typing"])
+_LIBRARY_MODULES = _LIBRARIES | {"pallas_attn"}  # module objects that hold no user values
+_SCALARS = frozenset([bool, int, str, bytes, type(None), type(Ellipsis)])
+_MAX_NODES = 2000  # values one walk may visit before giving up (huge global containers)
+
+
+def _library(module, names=_LIBRARIES) -> bool:
+  return isinstance(module, str) and module.partition(".")[0] in names
+
+
+@functools.lru_cache(maxsize=512)
+def _code_names(code) -> tuple:
+  """Names that `code` and the code nested in it (lambdas, comprehensions)
+  look up: globals, builtins and attribute names alike."""
+  names = list(code.co_names)
+  for c in code.co_consts:
+    if isinstance(c, types.CodeType):
+      names.extend(_code_names(c))
+  return tuple(dict.fromkeys(names))
+
+
+class _Walk:
+  """`value(v)` -> (key, v'): a hashable description of `v` and, with
+  `substitute` (one value per leaf), `v` rebuilt with those in place of its
+  leaves (functions re-created over new cells and globals)."""
+
+  def __init__(self, substitute=None):
+    self.leaves, self._leaf_of, self._active = [], {}, set()
+    self._substitute, self._nodes = substitute, 0
+
+  def value(self, v):
+    self._nodes += 1
+    if self._nodes > _MAX_NODES:
+      raise _Unkeyable("too large")
+    t = type(v)
+    if t in _SCALARS:
+      return (t, v), v
+    if t is float:
+      return (t, v.hex()), v  # -0.0 is not 0.0, as a traced literal
+    if t is complex:
+      return (t, v.real.hex(), v.imag.hex()), v
+    if isinstance(v, jax.Array):
+      return self._array(v)
+    if t is tuple or t is list:
+      parts = [self.value(x) for x in v]
+      return (t, *(k for k, _ in parts)), t(x for _, x in parts) if self._substitute else v
+    if t is dict:
+      parts = [(self.value(k)[0], k, self.value(x)) for k, x in v.items()]
+      key = (t, *((kk, xk) for kk, _, (xk, _) in parts))
+      return key, {k: x for _, k, (_, x) in parts} if self._substitute else v
+    if t is types.FunctionType:
+      return self._function(v)
+    if isinstance(v, functools.partial) and _library(t.__module__):  # jax's Partial too
+      (fk, f), (ak, a), (kk, kw) = (self.value(x) for x in (v.func, v.args, v.keywords))
+      return (t, fk, ak, kk), t(f, *a, **kw) if self._substitute else v
+    if t is types.ModuleType:
+      if _library(v.__name__, _LIBRARY_MODULES):
+        return (t, v.__name__), v
+      raise _Unkeyable(f"module {v.__name__}")
+    if isinstance(v, np.ndarray):  # mutable: by value, where small
+      if v.dtype.hasobject or v.nbytes > 4096:
+        raise _Unkeyable("numpy array")
+      return (t, v.shape, v.dtype.str, v.tobytes()), v
+    if isinstance(v, np.generic):
+      return (t, v.tobytes()), v
+    if isinstance(v, np.dtype):
+      return (t, v.str), v
+    # Library objects (jnp.int32, jax.nn.relu, np.add, min): themselves.
+    if _library(t.__module__) and _library(getattr(v, "__module__", t.__module__)):
+      try:
+        hash(v)
+      except TypeError:
+        raise _Unkeyable(t.__name__) from None
+      return ("object", v), v
+    raise _Unkeyable(t.__name__)
+
+  def _array(self, x):
+    if not is_concrete(x):
+      raise _Unkeyable("traced array")
+    n = self._leaf_of.get(id(x))
+    if n is not None:  # one array met twice is one argument; two arrays are two
+      key = ("same", n)
+    else:
+      n = self._leaf_of[id(x)] = len(self.leaves)
+      self.leaves.append(x)
+      key = ("array", jax.typeof(x), x.sharding)
+    return key, x if self._substitute is None else self._substitute[n]
+
+  def _function(self, fn):
+    if _library(fn.__module__) and not fn.__closure__:
+      return ("object", fn), fn
+    if id(fn) in self._active:
+      raise _Unkeyable("recursive function")
+    self._active.add(id(fn))
+    code, scope = fn.__code__, fn.__globals__
+    names, new_globals = [], {}
+    for name in _code_names(code):
+      if name in scope:
+        key, value = self.value(scope[name])
+        names.append((name, key))
+        new_globals[name] = value
+      else:  # a builtin, an attribute, or a NameError at trace time
+        names.append((name, name in builtins.__dict__))
+    try:
+      cells = [self.value(c.cell_contents) for c in fn.__closure__ or ()]
+    except ValueError:  # an empty cell
+      raise _Unkeyable("empty closure cell") from None
+    defaults = self.value(fn.__defaults__)
+    kwdefaults = self.value(fn.__kwdefaults__)
+    self._active.discard(id(fn))
+    key = (types.FunctionType, code, tuple(names), tuple(k for k, _ in cells), defaults[0],
+           kwdefaults[0])
+    if not self._substitute:
+      return key, fn
+    new = types.FunctionType(code, {**scope, **new_globals}, fn.__name__, defaults[1],
+                             tuple(types.CellType(c) for _, c in cells))
+    new.__kwdefaults__ = kwdefaults[1]
+    return key, new
+
+
+def _closure_key(mask_mod):
+  """(`_Walk`'s key of mask_mod, its leaves), or (None, ()) where it has none."""
+  walk = _Walk()
+  try:
+    return walk.value(mask_mod)[0], walk.leaves
+  except _Unkeyable:
+    return None, ()
+
+
+def _value_independent(mask_mod, leaves) -> bool:
+  """Whether mask_mod traces with its leaves abstract (then its jaxpr is a
+  function of the walk's key alone), none of them left a constant."""
+  def rebuilt(leaves, *indices):
+    return _Walk(substitute=leaves).value(mask_mod)[1](*indices)
+  avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+           for x in leaves]
+  try:
+    closed = jax.make_jaxpr(rebuilt)(avals, *_MASK_ARGS)
+  except Exception:
+    return False
+  return not any(c is x for c in closed.consts for x in leaves)
+
+
+_CLOSURES: dict = {}  # (_closure_key, shape) -> (compiled builder, capture positions) | None
+
+
+def _eager_builder(mask_mod, shape):
+  """(build, argument): `build(argument)[0]` is mask_mod's block mask at `shape`."""
+  key, leaves = _closure_key(mask_mod)
+  try:
+    entry = _CLOSURES.get((key, *shape), _CLOSURES)
+  except TypeError:  # an unhashable value in the key
+    key = None
+  if key is not None:
+    key = (key, *shape)
+    if entry is not _CLOSURES and entry is not None:
+      build, positions = entry
+      return build, tuple(leaves[p] for p in positions)
+    if entry is _CLOSURES:  # first seen: analyzed once, below, and remembered
+      # Through a new function: JAX reuses a function object's last trace,
+      # also when the values it reads (in the key) have changed since.
+      fresh = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx)
+      analysis = analyze_variant(mask_mod=fresh)
+      consts = analysis.mask_mod.traced.consts
+      positions = _positions(consts, leaves)
+      entry = None
+      if (all(map(is_concrete, consts)) and positions is not None
+          and _value_independent(mask_mod, leaves)):
+        entry = (compiled_builder(analysis, *shape), positions)
+      _remember(_CLOSURES, key, entry)
+      if entry is not None:
+        return entry[0], consts
+  traced_key, captured = _traced_key(mask_mod)
+  traced_key = None if traced_key is None else (traced_key, *shape)
+  if traced_key not in _TRACED:
+    analysis = analyze_variant(mask_mod=mask_mod)
+    consts = analysis.mask_mod.traced.consts
+    if not all(map(is_concrete, consts)):
+      return (lambda _: build_block_masks(analysis, *shape)), None
+    build = compiled_builder(analysis, *shape)
+    positions = _positions(consts, captured)
+    if traced_key is None or positions is None:
+      return build, consts
+    _remember(_TRACED, traced_key, (build, positions))
+  build, positions = _TRACED[traced_key]
+  return build, tuple(captured[p] for p in positions)
+
+
+@functools.lru_cache(maxsize=256)
+def _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret) -> tuple:
+  """`compiled_builder`'s shape arguments for `block_mask`'s."""
+  from pallas_attn.schedule.config import heuristic_config
+  default = heuristic_config(seq_q, seq_kv, 128, 128)
+  block_q = clamp_block(block_q or default.block_q, seq_q)
+  block_k = clamp_block(block_kv or default.block_k, seq_kv)
+  return (batch, heads, seq_q, seq_kv, ((block_q, block_k),),
+          backend.resolve_interpret(interpret))
+
+
 def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=None,
                interpret=None) -> BlockMask:
   """Builds the tile lists of `mask_mod` once, for reuse across calls and layers.
@@ -318,31 +536,17 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   the backward runs on these tiles too).
 
   The first call per mask, shapes and blocks compiles a builder that takes
-  mask_mod's captured arrays as arguments; later calls, with the same
-  arrays or new ones of the same shapes (new document ids), trace mask_mod
-  once and run it. Inside a jitted function whose arguments mask_mod
-  captures, the mask is built in that trace instead.
+  mask_mod's captured arrays as arguments. Later calls with the same
+  mask_mod, or a new closure of the same code over new arrays of the same
+  shapes (new document ids), run it without tracing mask_mod, where what
+  mask_mod reads is plain (closures, globals and defaults of functions,
+  arrays, numbers, containers; see `_Walk`); otherwise they trace it once.
+  Inside a jitted function whose arguments mask_mod captures, the mask is
+  built in that trace instead.
   """
-  from pallas_attn.schedule.config import heuristic_config
-  default = heuristic_config(seq_q, seq_kv, 128, 128)
-  block_q = clamp_block(block_q or default.block_q, seq_q)
-  block_k = clamp_block(block_kv or default.block_k, seq_kv)
-  shape = (batch, heads, seq_q, seq_kv, ((block_q, block_k),),
-           backend.resolve_interpret(interpret))
-  key, captured = _traced_key(mask_mod)
-  key = None if key is None else (key, *shape)
-  if key not in _TRACED:
-    analysis = analyze_variant(mask_mod=mask_mod)
-    consts = analysis.mask_mod.traced.consts
-    if not all(map(is_concrete, consts)):
-      return build_block_masks(analysis, *shape)[0]
-    build = compiled_builder(analysis, *shape)
-    positions = _positions(consts, captured)
-    if key is None or positions is None:
-      return build(consts)[0]
-    _remember(_TRACED, key, (build, positions))
-  build, positions = _TRACED[key]
-  return build(tuple(captured[p] for p in positions))[0]
+  build, argument = _eager_builder(
+      mask_mod, _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret))
+  return build(argument)[0]
 
 
 def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> str:
