@@ -275,3 +275,123 @@ def test_eager_closure_key_aliasing_and_fallbacks():
   _check_eager(from_object)
   config.width = 15
   _check_eager(from_object)
+
+
+# Tile bounds (`_tile_bounds`): tiles decided without evaluating a position
+# must get their exact class, and the bounds must decide the tiles of
+# structured masks that are not partial.
+
+IDS = jnp.array(np.sort(np.random.RandomState(12).randint(0, 5, size=(2, 90))), jnp.int32)
+IDS16 = IDS.astype(jnp.int16)
+FLAGS = jnp.array(np.random.RandomState(13).rand(2, 90) > 0.3)
+BOUNDED = {
+    "chunked": lambda b, h, qi, ki: qi // 16 == ki // 16,
+    "modulo": lambda b, h, qi, ki: (qi % 7) != (ki % 5),
+    "int16_ids": lambda b, h, qi, ki: IDS16[b, qi] == IDS16[b, ki],
+    "bool_capture": lambda b, h, qi, ki: FLAGS[b, ki] & (qi >= ki),
+    "select": lambda b, h, qi, ki: jnp.where(qi > 40, ki < 30, ki >= 30),
+    "xor_not": lambda b, h, qi, ki: ~((qi >= ki) ^ (ki < 20)),
+    "overflow_mul": lambda b, h, qi, ki: qi * 100000000 + ki > 0,
+    "overflow_add": lambda b, h, qi, ki: (qi + 2147483600) > (ki + 2147483600),
+    "narrowing": lambda b, h, qi, ki: (qi * 3 - ki).astype(jnp.int8) > 0,
+    "float": lambda b, h, qi, ki: qi.astype(jnp.float32) * 0.5 > ki,
+    "bitwise": lambda b, h, qi, ki: (qi & 16) == (ki & 16),
+    "gather": lambda b, h, qi, ki: IDS[b, jnp.maximum(qi - 3, 0)] == IDS[b, ki],
+    "abs_clip_sign": lambda b, h, qi, ki: (jnp.abs(qi - ki) < 9 + 3 * h)
+                                          | (jnp.sign(jnp.clip(ki - qi, -2, 2)) > 0),
+    "square": lambda b, h, qi, ki: (qi - ki) ** 2 < 100,
+}
+
+
+def _check_bounds(mask_mod, seq_q=77, seq_kv=90, bq=16, bk=32, heads=2):
+  """Exact classes with the bounds on; decided tiles exact with evaluation off. Returns
+  (undecided, partial) tile counts."""
+  analysis = pa.analyze_variant(mask_mod=mask_mod)
+  expected = dense_classes(np.asarray(dense_mask(mask_mod, 2, heads, seq_q, seq_kv)), seq_q,
+                           seq_kv, bq, bk)
+  bounded = np.asarray(bm_lib.classify_tiles(analysis, 2, heads, seq_q, seq_kv, bq, bk, True,
+                                             exact=False))
+  expected = expected[:bounded.shape[0], :bounded.shape[1]]
+  decided = bounded != bm_lib._UNDECIDED
+  np.testing.assert_array_equal(bounded[decided], expected[decided])
+  classes = bm_lib.classify_tiles(analysis, 2, heads, seq_q, seq_kv, bq, bk, True)
+  np.testing.assert_array_equal(classes, expected)
+  return int((~decided).sum()), int((expected == bm_lib.PARTIAL).sum())
+
+
+def test_tile_bounds_at_edges():
+  """Comparisons whose sides meet at a tile edge, selects by a mixed predicate, int32's
+  minimum negated: one mask per head (a select by h, which the bounds resolve exactly)."""
+  low = jnp.int32(-2 ** 31)
+  masks = [lambda b, h, qi, ki, f=f, x=x, off=off, c=c: f((qi, ki)[x] + off, c)
+           for f in (jnp.less, jnp.less_equal, jnp.greater, jnp.greater_equal, jnp.equal,
+                     jnp.not_equal)
+           for x, c in ((0, 32), (1, 64)) for off in (-1, 0, 1)]
+  masks += [lambda b, h, qi, ki: jnp.where(qi >= ki, ki >= 0, ki < 0),
+            lambda b, h, qi, ki: jnp.where(qi >= ki, qi, -1) >= 0,
+            lambda b, h, qi, ki: -(qi + low) > 0,
+            lambda b, h, qi, ki: jnp.abs(qi + low) > 0,
+            lambda b, h, qi, ki: (qi + low) - 1 < 0]
+
+  def per_head(b, h, qi, ki):
+    keep = masks[0](b, h, qi, ki)
+    for n, mask_mod in enumerate(masks[1:], 1):
+      keep = jnp.where(h == n, mask_mod(b, h, qi, ki), keep)
+    return keep
+  _check_bounds(per_head, heads=len(masks))
+
+
+@pytest.mark.parametrize("name", list(BOUNDED))
+def test_tile_bounds_are_exact(name):
+  _check_bounds(BOUNDED[name])
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "prefix_lm", "per_head"])
+def test_tile_bounds_decide_every_tile_but_the_partial_ones(name):
+  undecided, partial = _check_bounds(MASKS[name], seq_q=45, seq_kv=45, bq=16, bk=16)
+  assert undecided == partial
+  undecided, partial = _check_bounds(documents(IDS), seq_q=90, seq_kv=90, bq=16, bk=16)
+  assert undecided == partial
+
+
+def _random_mask(rs, depth=3):
+  """A random mask_mod over indices, captured ids, wide constants and the integer and
+  boolean primitives that the bounds model (and some they do not)."""
+  consts = [0, 1, 3, 7, 16, 45, -5, 2 ** 30, -2 ** 31 + 1, 2 ** 31 - 100]
+
+  def integer(d):
+    if d == 0 or rs.rand() < 0.25:
+      leaf = rs.randint(6)
+      c = consts[rs.randint(len(consts))]
+      return [lambda b, h, qi, ki: qi, lambda b, h, qi, ki: ki, lambda b, h, qi, ki: h,
+              lambda b, h, qi, ki: jnp.int32(c), lambda b, h, qi, ki: IDS[b, qi],
+              lambda b, h, qi, ki: IDS[b, ki]][leaf]
+    x, y = integer(d - 1), integer(d - 1)
+    c = int(rs.choice([1, 2, 5, 16, 33]))
+    return [lambda *i: x(*i) + y(*i), lambda *i: x(*i) - y(*i), lambda *i: x(*i) * y(*i),
+            lambda *i: x(*i) // c, lambda *i: x(*i) % c, lambda *i: jnp.abs(x(*i)),
+            lambda *i: jnp.maximum(x(*i), y(*i)), lambda *i: jnp.minimum(x(*i), y(*i)),
+            lambda *i: -x(*i), lambda *i: jnp.clip(x(*i), -c, c * 7),
+            lambda *i: x(*i) // jnp.maximum(y(*i), 1), lambda *i: x(*i) & y(*i),
+            lambda *i: jnp.where(boolean(d - 1)(*i), x(*i), y(*i)),
+            lambda *i: x(*i).astype(jnp.int8).astype(jnp.int32)][rs.randint(14)]
+
+  def boolean(d):
+    if d == 0 or rs.rand() < 0.2:
+      return lambda b, h, qi, ki: FLAGS[b, ki]
+    kind = rs.randint(9)
+    if kind < 6:
+      x, y = integer(d - 1), integer(d - 1)
+      compare = [jnp.less, jnp.less_equal, jnp.greater, jnp.greater_equal, jnp.equal,
+                 jnp.not_equal][kind]
+      return lambda *i: compare(x(*i), y(*i))
+    x, y = boolean(d - 1), boolean(d - 1)
+    return [lambda *i: x(*i) & y(*i), lambda *i: x(*i) | y(*i), lambda *i: x(*i) ^ ~y(*i)][
+        kind - 6]
+
+  return boolean(depth)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_tile_bounds_of_random_masks_are_exact(seed):
+  _check_bounds(_random_mask(np.random.RandomState(seed)))

@@ -29,8 +29,9 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.schedule.config import clamp_block
+from pallas_attn.spec import blockeval
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
-from pallas_attn.spec.trace import is_concrete
+from pallas_attn.spec.trace import is_concrete, is_literal
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _NO_QUERIES = -1  # a q block past the sequence end, while re-tiling: neither keeps nor masks
@@ -105,10 +106,288 @@ class BlockMask:
 
 
 KV_BLOCKS_PER_PROGRAM = 16  # the width of a program's output block: a power of two
+TILE_BOUNDS = True  # decide tiles by bounds first (see `_tile_bounds`); False: evaluate all
+_UNDECIDED = 3  # `classify_tiles(..., exact=False)`: a tile the bounds leave open
 
 
-def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv, num_kv_blocks):
-  """Classes of one q block's tiles against `KV_BLOCKS_PER_PROGRAM` kv blocks."""
+# Tile bounds. Most tiles of a structured mask are decided by bounds on the
+# values mask_mod computes over the tile, with no position evaluated: for
+# `(ids[qi] == ids[ki]) & (qi >= ki)` the q block's ids in [2, 2] and the kv
+# block's in [3, 4] make every position false, and `qi >= ki` holds at
+# every position when the q block's first row is past the kv block's last
+# key. `_tile_bounds` runs mask_mod's jaxpr on such bounds: each integer
+# value as a range [lo, hi] that holds at every real position of the tile
+# (`_Range`, with `ok` = 0 where an operation may have overflowed or is not
+# modelled, then nothing is known), each boolean as (`must`: true at every
+# position, `may`: true at some) (`_Bool`), anything else (floats, bitwise
+# integer ops, gathers) as unknown. The rules are sound, so a decision is
+# exact; a tile they leave open is evaluated position by position as before.
+
+_I32 = np.iinfo(np.int32)
+_MUL_SAFE = 46340  # |x|, |y| <= this: x * y fits int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Range:
+  lo: jax.Array  # int32 scalars
+  hi: jax.Array
+  ok: jax.Array  # int32 1: the range holds; 0: nothing is known
+  dtype: np.dtype  # the traced value's (a signed integer of at most 32 bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bool:
+  must: jax.Array  # int32 1: true at every position
+  may: jax.Array   # int32 0: false at every position
+
+
+_UNKNOWN = None
+_IDENTITIES = frozenset(["broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
+                         "copy_p", "stop_gradient"])
+
+
+def _flag(condition):
+  return jnp.asarray(condition).astype(jnp.int32)
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _integer(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  return dtype.kind == "i" and dtype.itemsize <= 4
+
+
+def _fit(lo, hi, ok, dtype) -> _Range:
+  """A range of `dtype` values computed in int32: unknown where it leaves a narrower dtype."""
+  if np.dtype(dtype).itemsize < 4:
+    info = np.iinfo(dtype)
+    ok = ok * _flag(lo >= info.min) * _flag(hi <= info.max)
+  return _Range(lo, hi, ok, np.dtype(dtype))
+
+
+def _as_range(x):
+  """A `_Bool` as the range of its 0/1 values; a `_Range` as itself; else None."""
+  if isinstance(x, _Bool):
+    return _Range(x.must, x.may, _i32(1), np.dtype(bool))
+  return x
+
+
+def _as_bool(x) -> _Bool:
+  if isinstance(x, _Bool):
+    return x
+  return _Bool(_i32(0), _i32(1))  # unknown
+
+
+def _hull(values, dtype):
+  """What holds for any one of `values` at each position (a select by an unknown predicate)."""
+  if np.dtype(dtype) == np.bool_:
+    bools = [_as_bool(v) for v in values]
+    must, may = bools[0].must, bools[0].may
+    for v in bools[1:]:
+      must, may = must * v.must, jnp.maximum(may, v.may)
+    return _Bool(must, may)
+  if any(not isinstance(v, _Range) for v in values):
+    return _UNKNOWN
+  lo, hi, ok = values[0].lo, values[0].hi, values[0].ok
+  for v in values[1:]:
+    lo, hi, ok = jnp.minimum(lo, v.lo), jnp.maximum(hi, v.hi), ok * v.ok
+  return _Range(lo, hi, ok, np.dtype(dtype))
+
+
+def _add_ok(x, y, total):
+  """int32 `x + y == total` did not overflow (x, y of one sign and total of the other)."""
+  return _flag(jnp.bitwise_and(jnp.bitwise_xor(x, total), jnp.bitwise_xor(y, total)) >= 0)
+
+
+def _sub_ok(x, y, diff):
+  return _flag(jnp.bitwise_and(jnp.bitwise_xor(x, y), jnp.bitwise_xor(x, diff)) >= 0)
+
+
+def _arith(prim, args, params, dtype):
+  """Rules for integer arithmetic on `_Range`s; None where there is none."""
+  a = args[0]
+  b = args[1] if len(args) > 1 else None
+  wide = np.dtype(dtype).itemsize == 4
+  if prim == "add":
+    lo, hi = a.lo + b.lo, a.hi + b.hi
+    ok = a.ok * b.ok * (_add_ok(a.lo, b.lo, lo) * _add_ok(a.hi, b.hi, hi) if wide else 1)
+    return _fit(lo, hi, ok, dtype)
+  if prim == "sub":
+    lo, hi = a.lo - b.hi, a.hi - b.lo
+    ok = a.ok * b.ok * (_sub_ok(a.lo, b.hi, lo) * _sub_ok(a.hi, b.lo, hi) if wide else 1)
+    return _fit(lo, hi, ok, dtype)
+  if prim == "neg":
+    return _fit(-a.hi, -a.lo, a.ok * _flag(a.lo != _I32.min), dtype)
+  if prim == "mul":
+    small = [_flag((x >= -_MUL_SAFE) & (x <= _MUL_SAFE)) for x in (a.lo, a.hi, b.lo, b.hi)]
+    corners = [x * y for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+    lo = functools.reduce(jnp.minimum, corners)
+    hi = functools.reduce(jnp.maximum, corners)
+    return _fit(lo, hi, a.ok * b.ok * math.prod(small), dtype)
+  if prim in ("max", "min"):
+    pick = jnp.maximum if prim == "max" else jnp.minimum
+    return _Range(pick(a.lo, b.lo), pick(a.hi, b.hi), a.ok * b.ok, np.dtype(dtype))
+  if prim == "abs":
+    lo = jnp.where(a.lo >= 0, a.lo, jnp.where(a.hi <= 0, -a.hi, _i32(0)))
+    return _fit(lo, jnp.maximum(-a.lo, a.hi), a.ok * _flag(a.lo != _I32.min), dtype)
+  if prim == "sign":
+    sign = lambda x: _flag(x > 0) - _flag(x < 0)
+    return _Range(sign(a.lo), sign(a.hi), a.ok, np.dtype(dtype))
+  if prim == "clamp":  # clamp(min, x, max): nondecreasing in each
+    low, x, high = args
+    clamp = lambda m, v, n: jnp.minimum(jnp.maximum(v, m), n)
+    return _Range(clamp(low.lo, x.lo, high.lo), clamp(low.hi, x.hi, high.hi),
+                  low.ok * x.ok * high.ok, np.dtype(dtype))
+  if prim in ("div", "rem"):
+    # Positive divisors only (then no division by zero, no MIN / -1).
+    ok = a.ok * b.ok * _flag(b.lo > 0)
+    d_lo, d_hi = jnp.maximum(b.lo, 1), jnp.maximum(b.hi, 1)
+    if prim == "div":  # truncating: monotone in each operand for d > 0
+      corners = [jax.lax.div(x, y) for x in (a.lo, a.hi) for y in (d_lo, d_hi)]
+      return _Range(functools.reduce(jnp.minimum, corners), functools.reduce(jnp.maximum, corners),
+                    ok, np.dtype(dtype))
+    # rem takes the dividend's sign and is below the divisor in magnitude;
+    # one divisor and one quotient over the range: monotone, exact ends.
+    exact = _flag(d_lo == d_hi) * _flag(jax.lax.div(a.lo, d_lo) == jax.lax.div(a.hi, d_lo))
+    lo = jnp.where(exact == 1, jax.lax.rem(a.lo, d_lo),
+                   jnp.where(a.lo >= 0, _i32(0), 1 - d_hi))
+    hi = jnp.where(exact == 1, jax.lax.rem(a.hi, d_lo),
+                   jnp.where(a.hi <= 0, _i32(0), d_hi - 1))
+    return _Range(lo, hi, ok, np.dtype(dtype))
+  if prim == "integer_pow" and params["y"] in (1, 2):
+    return a if params["y"] == 1 else _arith("mul", [a, a], {}, dtype)
+  return None
+
+
+def _compare(prim, a, b) -> _Bool:
+  ok = a.ok * b.ok
+  if prim in ("gt", "ge"):
+    a, b, prim = b, a, {"gt": "lt", "ge": "le"}[prim]
+  if prim == "lt":
+    must, may = _flag(a.hi < b.lo), _flag(a.lo < b.hi)
+  elif prim == "le":
+    must, may = _flag(a.hi <= b.lo), _flag(a.lo <= b.hi)
+  else:  # eq, ne
+    same = _flag(a.lo == a.hi) * _flag(b.lo == b.hi) * _flag(a.lo == b.lo)
+    overlap = _flag(a.lo <= b.hi) * _flag(b.lo <= a.hi)
+    must, may = (same, overlap) if prim == "eq" else (1 - overlap, 1 - same)
+  return _Bool(ok * must, jnp.maximum(1 - ok, may))
+
+
+def _logic(prim, args) -> _Bool:
+  a = args[0]
+  if prim == "not":
+    return _Bool(1 - a.may, 1 - a.must)
+  b = args[1]
+  if prim in ("and", "min"):
+    return _Bool(a.must * b.must, a.may * b.may)
+  if prim in ("or", "max"):
+    return _Bool(jnp.maximum(a.must, b.must), jnp.maximum(a.may, b.may))
+  # xor, ne: true where exactly one is; eq: where both agree.
+  a_false, b_false = 1 - a.may, 1 - b.may
+  one = jnp.maximum(a.must * b_false, a_false * b.must)
+  both_same = jnp.maximum(a.must * b.must, a_false * b_false)
+  return _Bool(one, 1 - both_same) if prim in ("xor", "ne") else _Bool(both_same, 1 - one)
+
+
+def _bound_eqn(eqn, args):
+  """The bound of `eqn`'s output from its operands' bounds (`_UNKNOWN` where there is no rule)."""
+  prim = eqn.primitive.name
+  dtype = np.dtype(eqn.outvars[0].aval.dtype)
+  if prim in _IDENTITIES:
+    return args[0]
+  if prim == "select_n":
+    pred, cases = args[0], args[1:]
+    if len(cases) != 2 or not isinstance(pred, _Bool):
+      return _hull(cases, dtype)
+    if dtype == np.bool_:
+      (c0, c1), p = [_as_bool(c) for c in cases], pred
+      p_false = 1 - p.may
+      must = jnp.maximum(c0.must * c1.must, jnp.maximum(p_false * c0.must, p.must * c1.must))
+      may = jnp.maximum(c0.may * (1 - p.must), c1.may * p.may)
+      return _Bool(must, may)
+    hull = _hull(cases, dtype)
+    if hull is _UNKNOWN:
+      return _UNKNOWN
+    c0, c1 = cases
+    pick = lambda x0, x1, both: jnp.where(pred.must == 1, x1,
+                                          jnp.where(pred.may == 0, x0, both))
+    return _Range(pick(c0.lo, c1.lo, hull.lo), pick(c0.hi, c1.hi, hull.hi),
+                  pick(c0.ok, c1.ok, hull.ok), dtype)
+  if prim == "convert_element_type":
+    x = args[0]
+    if dtype == np.bool_:
+      if isinstance(x, _Bool):
+        return x
+      if isinstance(x, _Range):  # x != 0
+        return _compare("ne", x, _Range(_i32(0), _i32(0), _i32(1), x.dtype))
+      return _UNKNOWN
+    if _integer(dtype):
+      x = _as_range(x)
+      return _UNKNOWN if x is _UNKNOWN else _fit(x.lo, x.hi, x.ok, dtype)
+    return _UNKNOWN
+  if any(a is _UNKNOWN for a in args):
+    return _UNKNOWN
+  if prim in ("and", "or", "not", "xor") or (prim in ("max", "min", "eq", "ne")
+                                             and all(isinstance(a, _Bool) for a in args)):
+    if all(isinstance(a, _Bool) for a in args):
+      return _logic(prim, args)
+    return _UNKNOWN  # bitwise integer ops
+  if prim in ("lt", "le", "gt", "ge", "eq", "ne"):
+    return _compare(prim, *[_as_range(a) for a in args])
+  if _integer(dtype) and all(isinstance(a, _Range) for a in args):
+    return _arith(prim, args, eqn.params, dtype) or _UNKNOWN
+  return _UNKNOWN
+
+
+def _literal_bound(v):
+  dtype = np.dtype(v.aval.dtype)
+  if dtype == np.bool_:
+    flag = _i32(int(bool(v.val)))
+    return _Bool(flag, flag)
+  if _integer(dtype):
+    c = _i32(int(v.val))
+    return _Range(c, c, _i32(1), dtype)
+  return _UNKNOWN
+
+
+def _load_bound(x, operand):
+  """The bound of every value of a loaded capture block."""
+  if operand.is_bool:  # loaded as `x != 0`
+    x = x.astype(jnp.int32)
+    return _Bool(jnp.min(x), jnp.max(x))
+  if not _integer(x.dtype):
+    return _UNKNOWN
+  dtype = np.dtype(x.dtype)
+  x = x.astype(jnp.int32)
+  return _Range(jnp.min(x), jnp.max(x), _i32(1), dtype)
+
+
+def _tile_bounds(prog, inputs, loads):
+  """(must, may) int32 flags of mask_mod over a tile: `inputs` the bounds of
+  (b, h, q, kv) over its real positions, `loads` of each capture use; None
+  where no rule reaches the result (then no tile can be decided)."""
+  jaxpr = prog.traced.jaxpr
+  env = dict(zip(jaxpr.invars, inputs))
+  env.update({var: loads[use] for var, use in prog.loads})
+  for n in blockeval.needed_equations(jaxpr, jaxpr.outvars, env):
+    if n in prog.skip:
+      continue
+    eqn = jaxpr.eqns[n]
+    args = [_literal_bound(v) if is_literal(v) else env[v] for v in eqn.invars]
+    env[eqn.outvars[0]] = _bound_eqn(eqn, args)
+  out, = jaxpr.outvars
+  result = _literal_bound(out) if is_literal(out) else env[out]
+  return None if result is _UNKNOWN else (result.must, result.may)
+
+
+def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv, num_kv_blocks,
+                     bounds, exact):
+  """Classes of one q block's tiles against `KV_BLOCKS_PER_PROGRAM` kv blocks:
+  by the tile bounds where they decide (with `bounds`), else position by
+  position (or `_UNDECIDED` without `exact`)."""
   cap_refs, out_ref = refs[:-1], refs[-1]
   qi, chunk, b, h = (pl.program_id(n) for n in range(4))
   tile = tiles.TileContext(analysis, operands, blocked="q")
@@ -121,8 +400,7 @@ def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv,
   # keys count as masked (their tile runs the mask), padding queries not at all.
   positions = jnp.minimum(block_q, seq_q - q_start) * block_k
 
-  def body(j, classes):
-    kv_start = (first + j) * block_k
+  def evaluated(kv_start):
     kv_idx = tiles.tile_indices(kv_start, block_k, axis=1)
     keep = jnp.broadcast_to(tile.mask(b, h, q_idx, kv_idx, cap_refs, kv_start, block_k),
                             (block_q, block_k))
@@ -133,21 +411,58 @@ def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv,
     kept = jnp.sum(keep.astype(jnp.int32))
     # Integer arithmetic, not selects on booleans (Triton rejects mixed-type selects):
     # class = any kept + all kept = EMPTY (0), PARTIAL (1) or FULL (2).
-    tile_class = (kept > 0).astype(jnp.int32) + (kept == positions).astype(jnp.int32)
-    return classes + (slots == j).astype(jnp.int32) * tile_class
+    return (kept > 0).astype(jnp.int32) + (kept == positions).astype(jnp.int32)
+
+  prog = analysis.mask_mod
+  offset = 0 if analysis.score_mod is None else len(analysis.score_mod.uses)
+  uses = [(n, operands[offset + n], cap_refs[offset + n]) for n in range(len(prog.uses))]
+  load = lambda op, ref, kv_start: (
+      _UNKNOWN if op.is_gather else
+      _load_bound(tiles.load_capture(ref, op, blocked="q", start=kv_start, size=block_k), op))
+  point = lambda x: _Range(x, x, _i32(1), np.dtype(np.int32))
+  span = lambda start, block, length: _Range(start, jnp.minimum(start + block, length) - 1,
+                                             _i32(1), np.dtype(np.int32))
+  if bounds:  # what does not depend on the kv block, once per program
+    fixed = {n: load(op, ref, 0) for n, op, ref in uses if "kv" not in op.axes}
+    inputs = (point(b), point(h), span(q_start, block_q, seq_q))
+
+  def classified(j):
+    kv_start = (first + j) * block_k
+    if not bounds:
+      return evaluated(kv_start)
+    loads = [fixed[n] if n in fixed else load(op, ref, kv_start) for n, op, ref in uses]
+    bound = _tile_bounds(prog, inputs + (span(kv_start, block_k, seq_kv),), loads)
+    if bound is None:
+      return evaluated(kv_start) if exact else _i32(_UNDECIDED)
+    must, may = bound
+    # must: every real position kept (full, or partial with padding keys);
+    # else not may: none kept; else evaluated.
+    padded = _flag(kv_start + block_k > seq_kv) if seq_kv % block_k else 0
+    decided = must * (2 - padded)
+    undecided = (1 - must) * may
+    if not exact:
+      return decided + undecided * _UNDECIDED
+    return jax.lax.fori_loop(0, undecided, lambda _, c: evaluated(kv_start), decided)
+
+  def body(j, classes):
+    return classes + (slots == j).astype(jnp.int32) * classified(j)
 
   count = jnp.minimum(width, num_kv_blocks - first)
   out_ref[...] = jax.lax.fori_loop(0, count, body, jnp.zeros((1, width), jnp.int32))
 
 
 def classify_tiles(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_q, block_k,
-                   interpret):
+                   interpret, *, bounds: bool | None = None, exact: bool = True):
   """`[Bm, Hm, nq, nk]` int32 tile classes (EMPTY / PARTIAL / FULL).
 
   One program per (q block, run of `KV_BLOCKS_PER_PROGRAM` kv blocks, b, h):
   at long sequences many short programs fill the GPU where one program per
-  q block, looping over every kv block, would run a few long ones.
+  q block, looping over every kv block, would run a few long ones. Each
+  tile is classified by its bounds where they decide it (`bounds`, default
+  `TILE_BOUNDS`), else by evaluating mask_mod at each position; without
+  `exact`, such tiles are `_UNDECIDED` (to measure the bounds).
   """
+  bounds = TILE_BOUNDS if bounds is None else bounds
   nq, nk = -(-seq_q // block_q), -(-seq_kv // block_k)
   num_chunks = -(-nk // KV_BLOCKS_PER_PROGRAM)
   deps = analysis.mask_deps
@@ -158,7 +473,8 @@ def classify_tiles(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block
               for op, x in zip(operands, arrays)]
   kernel = functools.partial(
       _classify_kernel, analysis=analysis, operands=operands, block_q=block_q,
-      block_k=block_k, seq_q=seq_q, seq_kv=seq_kv, num_kv_blocks=nk)
+      block_k=block_k, seq_q=seq_q, seq_kv=seq_kv, num_kv_blocks=nk, bounds=bounds,
+      exact=exact)
   call = backend.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((mb, mh, nq, num_chunks * KV_BLOCKS_PER_PROGRAM),
