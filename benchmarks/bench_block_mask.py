@@ -20,8 +20,11 @@ tiny shapes (on CPU, interpret mode) to check the script.
   mask_mod's closure without a trace. The target: `ms` under 1 at S=16k.
 * Forward (bf16, B=1, H=16, d=128, 8 documents): `prebuilt` passes
   block_mask= built at the forward's tiles; `built_in_jit` passes the ids
-  as a jit argument, so the mask is built inside every call; `closed_over`
-  closes over concrete ids, so the mask is built once at trace time. Timed
+  as a jit argument, so the mask is built inside every call (target: at
+  most 10% over `prebuilt`); `built_in_jit_no_bounds` the same with the
+  classify kernel evaluating every position (`TILE_BOUNDS = False`, as
+  before the tile bounds); `closed_over` closes over concrete ids, so the
+  mask is built once at trace time. Timed
   by device throughput (`median_time_ms`) and, with PyTorch, by kernel time
   (`kernel_time.py`, per kernel in the JSON).
 """
@@ -178,18 +181,23 @@ def forward_rows(seq, heads, d, reps, errors):
   mask = document_mask(ids)
   cfg = resolve_config(None, "forward", pa.analyze_variant(mask_mod=mask), q, k, v)
   bm = pa.block_mask(mask, 1, heads, seq, seq, block_q=cfg.block_q, block_kv=cfg.block_k)
+  in_jit = lambda q, k, v, ids: pa.attention(q, k, v, mask_mod=document_mask(ids))
   cases = {
       "prebuilt": (lambda q, k, v, bm: pa.attention(q, k, v, mask_mod=mask, block_mask=bm),
-                   (q, k, v, bm)),
-      "built_in_jit": (lambda q, k, v, ids: pa.attention(q, k, v, mask_mod=document_mask(ids)),
-                       (q, k, v, ids)),
-      "closed_over": (lambda q, k, v: pa.attention(q, k, v, mask_mod=mask), (q, k, v)),
+                   (q, k, v, bm), True),
+      "built_in_jit": (in_jit, (q, k, v, ids), True),
+      "built_in_jit_no_bounds": (lambda *a: in_jit(*a), (q, k, v, ids), False),
+      "closed_over": (lambda q, k, v: pa.attention(q, k, v, mask_mod=mask), (q, k, v), True),
   }
   rows = []
-  for name, (fn, args) in cases.items():
+  for name, (fn, args, bounds) in cases.items():
     jitted = jax.jit(fn)
     run = lambda: jitted(*args)
-    jax.block_until_ready(run())
+    bm_lib.TILE_BOUNDS = bounds  # read when the call is traced, below
+    try:
+      jax.block_until_ready(run())
+    finally:
+      bm_lib.TILE_BOUNDS = True
     row = dict(case=name, seq=seq, block_q=cfg.block_q, block_k=cfg.block_k,
                ms=median_time_ms(run, reps=reps), kernel_ms=None, kernels=None)
     try:
@@ -249,7 +257,7 @@ def print_table(results):
   print(f"document-masked forward ms (bf16 B1 H{results['heads']} d{results['d']}, "
         f"S={rows[0]['seq']}, {rows[0]['block_q']}x{rows[0]['block_k']} tiles)")
   for r in rows:
-    print(f"  {r['case']:<13} throughput {_ms(r['ms'])} ({_vs(r['ms'], rows[0]['ms'])})  "
+    print(f"  {r['case']:<22} throughput {_ms(r['ms'])} ({_vs(r['ms'], rows[0]['ms'])})  "
           f"kernels {_ms(r['kernel_ms'])} ({_vs(r['kernel_ms'], rows[0]['kernel_ms'])})")
   for e in results["errors"]:
     print("  error:", e)
