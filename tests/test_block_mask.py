@@ -305,7 +305,7 @@ BOUNDED = {
 
 def _check_bounds(mask_mod, seq_q=77, seq_kv=90, bq=16, bk=32, heads=2):
   """Exact classes with the bounds on; decided tiles exact with evaluation off. Returns
-  (undecided, partial) tile counts."""
+  (undecided, partial, all) tile counts."""
   analysis = pa.analyze_variant(mask_mod=mask_mod)
   expected = dense_classes(np.asarray(dense_mask(mask_mod, 2, heads, seq_q, seq_kv)), seq_q,
                            seq_kv, bq, bk)
@@ -316,7 +316,7 @@ def _check_bounds(mask_mod, seq_q=77, seq_kv=90, bq=16, bk=32, heads=2):
   np.testing.assert_array_equal(bounded[decided], expected[decided])
   classes = bm_lib.classify_tiles(analysis, 2, heads, seq_q, seq_kv, bq, bk, True)
   np.testing.assert_array_equal(classes, expected)
-  return int((~decided).sum()), int((expected == bm_lib.PARTIAL).sum())
+  return int((~decided).sum()), int((expected == bm_lib.PARTIAL).sum()), decided.size
 
 
 def test_tile_bounds_at_edges():
@@ -343,14 +343,17 @@ def test_tile_bounds_at_edges():
 
 @pytest.mark.parametrize("name", list(BOUNDED))
 def test_tile_bounds_are_exact(name):
-  _check_bounds(BOUNDED[name])
+  undecided, _, count = _check_bounds(BOUNDED[name])
+  bounded = bm_lib.has_tile_bounds(pa.analyze_variant(mask_mod=BOUNDED[name]))
+  assert bounded == (name not in ("float", "bitwise", "gather"))
+  if not bounded:
+    assert undecided == count
 
 
-@pytest.mark.parametrize("name", ["causal", "window", "prefix_lm", "per_head"])
+@pytest.mark.parametrize("name", ["causal", "window", "prefix_lm", "per_head", "documents"])
 def test_tile_bounds_decide_every_tile_but_the_partial_ones(name):
-  undecided, partial = _check_bounds(MASKS[name], seq_q=45, seq_kv=45, bq=16, bk=16)
-  assert undecided == partial
-  undecided, partial = _check_bounds(documents(IDS), seq_q=90, seq_kv=90, bq=16, bk=16)
+  mask_mod = documents(IDS) if name == "documents" else MASKS[name]
+  undecided, partial, _ = _check_bounds(mask_mod, seq_q=90, seq_kv=90, bq=16, bk=16)
   assert undecided == partial
 
 

@@ -865,6 +865,21 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   return build(argument)[0]
 
 
+def has_tile_bounds(analysis: VariantAnalysis) -> bool:
+  """Whether the tile bounds can decide any tile of mask_mod (see `_tile_bounds`)."""
+  prog = analysis.mask_mod
+
+  def bound():  # on placeholder bounds: whether a rule reaches the result is static
+    rng = lambda dtype=np.dtype(np.int32): _Range(_i32(0), _i32(0), _i32(1), dtype)
+    loads = []
+    for use in prog.uses:
+      dtype = np.dtype(jnp.result_type(prog.traced.consts[use.capture]))
+      loads.append(_UNKNOWN if use.is_gather else _Bool(_i32(0), _i32(1)) if dtype == np.bool_
+                   else rng(dtype) if _integer(dtype) else _UNKNOWN)
+    return _tile_bounds(prog, (rng(), rng(), rng(), rng()), loads)
+  return bool(jax.make_jaxpr(bound)().out_avals)
+
+
 def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> str:
   """One line on what `attention` pays to build the block mask of `analysis`
   when no block_mask is passed (`pallas-attn explain`)."""
@@ -873,8 +888,11 @@ def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> st
             "compiled once per shape")
   deps = analysis.mask_deps
   sizes = (batch if "b" in deps else 1, heads if "h" in deps else 1, seq_q, seq_kv)
+  where = ("the tiles that bounds on its values leave open (partial ones, for masks of "
+           "comparisons and captured ids)" if has_tile_bounds(analysis) else
+           "every tile (its values have no bounds: floats, bitwise ops or gathers)")
   return ("block mask: a constant built at trace time where mask_mod's arrays are closed "
-          "over; where they are traced (jit arguments), rebuilt in each call: mask_mod at "
-          f"{' x '.join(map(str, sizes))} (b, h, q, kv) positions (~{math.prod(sizes) / 1e6:.3g} "
-          "M); build it once per batch with pallas_attn.block_mask(...) and pass block_mask= "
-          "to avoid that")
+          "over; where they are traced (jit arguments), rebuilt in each call: mask_mod "
+          f"evaluated on {where}, of {' x '.join(map(str, sizes))} (b, h, q, kv) positions "
+          f"(~{math.prod(sizes) / 1e6:.3g} M); build it once per batch with "
+          "pallas_attn.block_mask(...) and pass block_mask= to avoid that")
