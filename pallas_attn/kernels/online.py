@@ -142,19 +142,22 @@ class OnlineRowNorm:
     """The accumulator times `weigh`'s per-row factor (None: unchanged)."""
     return acc if acc_factor is None else acc * self.rows.expand(acc_factor, acc.shape)
 
-  def weigh(self, state, s, keep, *, kv_idx=None, log2_logits=None):
+  def weigh(self, state, s, keep, *, kv_idx=None, log2_logits=None, logit_scale=1.0):
     """One tile's row-statistics update, short of the accumulator: returns
     (weights tile w, per-row factor for the accumulator or None, the state
     with new statistics). The new accumulator is
-    `rescale(acc, factor) + w @ v`."""
+    `rescale(acc, factor) + w @ v`. The log2-domain logits are
+    `log2_logits * logit_scale` (a positive scale, applied to the row max
+    and inside the exp2's argument: one multiply-add per score)."""
     if self.kind == "softmax":
       acc, m, l = state
       t = self.weights(s) if log2_logits is None else log2_logits
       t = _keep(t, keep, -jnp.inf)
-      m_new = jnp.maximum(m, self.rows.reduce(jnp.max, t))
+      scaled = (lambda x: x) if logit_scale == 1.0 else (lambda x: x * logit_scale)
+      m_new = jnp.maximum(m, scaled(self.rows.reduce(jnp.max, t)))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(t - self.rows.expand(m_safe, t.shape))
+      p = jnp.exp2(scaled(t) - self.rows.expand(m_safe, t.shape))
       l = l * alpha + self.rows.reduce(jnp.sum, p)
       return p, alpha, (acc, m_new, l)
     acc, stats, argmaxes = state
