@@ -134,6 +134,9 @@ def jax_callables(variant, batch, seq, d_qk, d_v, mode):
 def flex_callable(variant, batch, seq, d_qk, d_v, mode):
   import torch
   from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+  # Every row compiles new score/mask closures: past dynamo's recompile limit
+  # (8) flex_attention would silently run unfused.
+  torch._dynamo.reset()
   dev = "cuda"
   q = torch.randn(batch, HEADS, seq, d_qk, device=dev, dtype=torch.bfloat16,
                   requires_grad=mode != "fwd")
