@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from pallas_attn.schedule.search_space import ProblemShape
 from pallas_attn.schedule.timing import attention_flops, mask_density, median_time_ms
 
-IMPLS = ("pallas_attn", "cudnn", "jax_pallas_mha", "xla")
+# pallas_attn: the default lowering; pallas_attn:<lowering>: one lowering, n/a where it cannot run.
+IMPLS = ("pallas_attn", "pallas_attn:mosaic_gpu", "pallas_attn:triton", "cudnn",
+         "jax_pallas_mha", "xla")
 MODES = ("fwd", "fwd_bwd")
 # Variants JAX's own kernels express: softmax, no score_mod, optionally causal.
 _PEER_EXPRESSIBLE = {"vanilla": False, "causal": True}
@@ -63,6 +65,17 @@ def _pallas_mha(causal: bool, shape: ProblemShape):
   return mha
 
 
+def _check_mosaic(variant: dict, shape: ProblemShape, interpret: bool | None):
+  """NotImplementedError (an n/a row) with the reason the Mosaic forward cannot run."""
+  from pallas_attn.kernels import backend, lowering
+  from pallas_attn.spec.analysis import analyze_variant
+  kwargs = {k: variant[k] for k in ("score_mod", "mask_mod", "rownorm") if k in variant}
+  why = lowering.mosaic_obstacle(analyze_variant(**kwargs), shape.dtype, shape.d_qk, shape.d_v,
+                                 backend.resolve_interpret(interpret))
+  if why:
+    raise NotImplementedError(why)
+
+
 def peer_function(impl: str, name: str, variant: dict, shape: ProblemShape,
                   interpret: bool | None = None) -> Callable:
   """`(q, k, v) -> out` of one implementation.
@@ -70,9 +83,13 @@ def peer_function(impl: str, name: str, variant: dict, shape: ProblemShape,
   Raises NotImplementedError where the implementation cannot express the
   variant or run on this backend.
   """
-  if impl == "pallas_attn":
+  if impl.startswith("pallas_attn"):
     from pallas_attn import attention
-    return functools.partial(attention, **variant, interpret=interpret)
+    implementation = impl.partition(":")[2] or None
+    if implementation == "mosaic_gpu":
+      _check_mosaic(variant, shape, interpret)
+    return functools.partial(attention, **variant, interpret=interpret,
+                             implementation=implementation)
   if impl == "xla":
     from pallas_attn.reference import attention_reference
     return functools.partial(attention_reference, **variant)
