@@ -549,11 +549,20 @@ def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, ti
                       interpret) -> tuple:
   """Block masks at each (block_q, block_k) of `tilings`, classified once at
   the finest tiles and coarsened (exactly) to each; a tiling that the finest
-  does not divide is classified on its own."""
+  does not divide is classified on its own. Where tile bounds decide most
+  tiles, a tile costs little whatever its size, so each tiling is classified
+  on its own: fewer tiles than the finest for the coarser ones, and a
+  jitted forward keeps only its own."""
   def build(block_q, block_k):
     classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
     return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
 
+  if TILE_BOUNDS and has_tile_bounds(analysis):
+    built = {}
+    for tiling in tilings:
+      if tiling not in built:
+        built[tiling] = build(*tiling)
+    return tuple(built[tiling] for tiling in tilings)
   finest = build(min(bq for bq, _ in tilings), min(bk for _, bk in tilings))
   return tuple(finest.with_blocks(bq, bk) if finest.can_retile(bq, bk) else build(bq, bk)
                for bq, bk in tilings)
