@@ -284,6 +284,10 @@ def test_eager_closure_key_aliasing_and_fallbacks():
 IDS = jnp.array(np.sort(np.random.RandomState(12).randint(0, 5, size=(2, 90))), jnp.int32)
 IDS16 = IDS.astype(jnp.int16)
 FLAGS = jnp.array(np.random.RandomState(13).rand(2, 90) > 0.3)
+GRID = jnp.array(np.random.RandomState(14).randint(0, 4, size=(90, 80)), jnp.int32)
+PER_HEAD = jnp.array(np.sort(np.random.RandomState(15).randint(0, 99, size=(2, 2, 90))),
+                     jnp.int32)
+SHORT = jnp.arange(50, dtype=jnp.int32) // 10  # shorter than the keys: reads clamp
 BOUNDED = {
     "chunked": lambda b, h, qi, ki: qi // 16 == ki // 16,
     "modulo": lambda b, h, qi, ki: (qi % 7) != (ki % 5),
@@ -300,6 +304,10 @@ BOUNDED = {
     "abs_clip_sign": lambda b, h, qi, ki: (jnp.abs(qi - ki) < 9 + 3 * h)
                                           | (jnp.sign(jnp.clip(ki - qi, -2, 2)) > 0),
     "square": lambda b, h, qi, ki: (qi - ki) ** 2 < 100,
+    "kv_by_q": lambda b, h, qi, ki: GRID[ki, qi] + GRID[qi, 3] > 2,
+    "per_head_keys": lambda b, h, qi, ki: PER_HEAD[b, h, ki] <= qi,
+    "clamped": lambda b, h, qi, ki: (SHORT[ki] >= 3) | (SHORT[qi] == SHORT[ki]),
+    "fixed_index": lambda b, h, qi, ki: IDS[1, ki] == IDS[b, 5],
 }
 
 
