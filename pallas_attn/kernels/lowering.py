@@ -13,7 +13,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_attn.kernels import mosaic_backend
-from pallas_attn.schedule.config import AttentionConfig, next_power_of_2
+from pallas_attn.schedule import search_space
+from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
 
 MOSAIC_GPU, TRITON = "mosaic_gpu", "triton"
@@ -97,7 +98,8 @@ def choose(implementation: str | None, analysis: VariantAnalysis, dtype, d_qk: i
 def padded_head_dim(d: int, forward: str) -> int:
   """Head dims as the kernels take them: powers of two of at least 16 for
   Triton's tiles; at least 64 (one 128-byte swizzle row) for Mosaic GPU."""
-  return max(64 if forward == MOSAIC_GPU else 16, next_power_of_2(d))
+  triton = search_space.padded_head_dim(d)
+  return max(64, triton) if forward == MOSAIC_GPU else triton
 
 
 def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:

@@ -87,7 +87,7 @@ def as_rows(x):
 
 
 # Row values are `[rows]` vectors in the accumulator's row-reduced layout.
-ROWS = RowLayout(keepdims=False, place_rows=lambda x: as_rows(x), place_tile=lambda x: as_tile(x))
+ROWS = RowLayout(keepdims=False, place_rows=as_rows, place_tile=as_tile)
 
 
 def tile_indices(start, shape, axis: int):

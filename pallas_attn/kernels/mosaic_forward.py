@@ -33,7 +33,7 @@ from pallas_attn.kernels.parallel_forward import ForwardPlan
 from pallas_attn.schedule.config import AttentionConfig
 
 _PRODUCER_REGISTERS = 40
-_CONSUMER_REGISTERS = {1: 232, 2: 232}
+_CONSUMER_REGISTERS = 232
 
 
 def _visits(plan: ForwardPlan, list_refs, b, h, qi):
@@ -112,7 +112,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
 
   @pl.when(wg < consumers)
   def _consumer():
-    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS[consumers], action="increase")
+    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     q_start = qi * plan.block_q + wg * rows
     q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
     mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
