@@ -27,7 +27,9 @@ import numpy as np  # noqa: E402
 import pallas_attn as pa  # noqa: E402
 from bench_forward import environment  # noqa: E402
 from kernel_time import kernel_time_ms  # noqa: E402
+from pallas_attn.kernels import lowering  # noqa: E402
 from pallas_attn.schedule.timing import median_time_ms  # noqa: E402
+from pallas_attn.spec.analysis import analyze_variant  # noqa: E402
 
 HEADS = 16
 
@@ -199,7 +201,9 @@ def main(argv=None):
       fl = flops(batch, seq, d_qk, d_v, dens, mode)
       row = {"row": name, "mode": mode, "density": dens, "tflops": {}, "errors": {}}
       try:
-        sides, _ = jax_callables(variant, batch, seq, d_qk, d_v, mode)
+        sides, (q, _, _, kw) = jax_callables(variant, batch, seq, d_qk, d_v, mode)
+        row["lowering"] = lowering.choose(None, analyze_variant(**kw), q.dtype, d_qk, d_v,
+                                          False).describe()
         if not args.no_flex:
           try:
             flex = flex_callable(variant, batch, seq, d_qk, d_v, mode)
@@ -246,6 +250,8 @@ def print_table(results):
     print(f"{row['row']:16s} {row['mode']:7s} {cells}  {ratio('mosaic_gpu', 'cudnn'):>9s} "
           f"{ratio('mosaic_gpu', 'flex'):>8s} {ratio('mosaic_gpu', 'triton'):>7s}  "
           f"{'-' if err is None else f'{err:.1e}'}")
+    if "mosaic_gpu not used" in row.get("lowering", ""):
+      print(f"    {row['lowering'][:200]}")
     for side, e in row["errors"].items():
       print(f"    {side}: {e[:160]}")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -67,6 +68,8 @@ _CONFIG_SOURCES = {
                        lowering_lib.heuristic_mosaic_config(*dims)),
     "backward": ("bwd_config",
                  lambda *dims, block_sparse, itemsize: heuristic_backward_config(*dims)),
+    "backward_mosaic": ("bwd_config", lambda *dims, block_sparse, itemsize:
+                        lowering_lib.heuristic_mosaic_backward_config(*dims)),
 }
 
 
@@ -82,7 +85,7 @@ def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) ->
   if config not in (None, "auto"):
     raise TypeError(f"{arg_name} must be an AttentionConfig, 'auto' or None; got {config!r}")
   tuned = None
-  if template in search_space.TEMPLATES:  # the Mosaic forward is not tuned yet
+  if template in search_space.TEMPLATES:  # the Mosaic templates are not tuned yet
     tuned = tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
                                        k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
   return (tuned
@@ -142,10 +145,13 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   interpret = backend.resolve_interpret(interpret)
   lowering = lowering_lib.choose(implementation, analysis, q.dtype, q.shape[3], v.shape[3],
-                                 interpret, config)
-  forward_template = "forward_mosaic" if lowering.forward == lowering_lib.MOSAIC_GPU else "forward"
+                                 interpret, config, bwd_config)
+  mosaic = lowering_lib.MOSAIC_GPU
+  forward_template = "forward_mosaic" if lowering.forward == mosaic else "forward"
   cfg = resolve_config(config, forward_template, analysis, q, k, v)
-  bwd_cfg = resolve_config(bwd_config, "backward", analysis, q, k, v)
+  bwd_cfg = resolve_config(bwd_config,
+                           "backward_mosaic" if lowering.backward == mosaic else "backward",
+                           analysis, q, k, v)
   block_masks = _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret)
   if block_masks is not None:
     fwd_mask, bwd_mask = block_masks
@@ -157,8 +163,11 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       lowering_lib.check_mosaic_config(cfg)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
   sinks = _resolve_sinks(sinks, analysis, q.shape[2])
-  out, stat = _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret,
-                         lowering.forward)
+  consts = tuple(() if prog is None else tuple(prog.traced.consts)
+                 for prog in (analysis.score_mod, analysis.mask_mod))
+  call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,
+               lowering.forward, lowering.backward)
+  out, stat = _attention(q, k, v, consts, block_masks, sinks, call=call)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)
@@ -241,22 +250,56 @@ def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):
                      f"({batch}, {heads})")
 
 
-def _attention(q, k, v, analysis, cfg, bwd_cfg, scale, block_masks, sinks, interpret,
-               forward_lowering):
-  """Pads to the blocks of both passes, runs the differentiable core, unpads."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+  """The static part of one call, equal for calls that may share a compiled
+  program: same analyzed programs (the fingerprint: captured values are
+  arguments, not part of it), tiles, scale and lowering."""
+  analysis: VariantAnalysis
+  config: AttentionConfig
+  bwd_config: AttentionConfig
+  scale: float | None
+  interpret: bool
+  forward_lowering: str
+  backward_lowering: str
+
+  @functools.cached_property
+  def key(self) -> tuple:
+    return (self.analysis.fingerprint(), self.analysis.rownorm.name, self.config,
+            self.bwd_config, self.scale, self.interpret, self.forward_lowering,
+            self.backward_lowering)
+
+  def __eq__(self, other):
+    return isinstance(other, _Call) and self.key == other.key
+
+  def __hash__(self):
+    return hash(self.key)
+
+
+@functools.partial(jax.jit, static_argnames="call")
+def _attention(q, k, v, consts, block_masks, sinks, *, call: _Call):
+  """Pads to the blocks of both passes, runs the differentiable core, unpads.
+
+  Jitted with the call's static part as the key, so that eager calls
+  (outside any jit) compile once per variant and shape, not on every call;
+  under an outer jit it is inlined.
+  """
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
+  cfg, bwd_cfg = call.config, call.bwd_config
   seq_q_pad = _round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
   seq_kv_pad = _round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
-  d_qk_pad, d_v_pad = (lowering_lib.padded_head_dim(d, forward_lowering) for d in (d_qk, d_v))
+  d_qk_pad, d_v_pad = (lowering_lib.padded_head_dim(d, call.forward_lowering,
+                                                     call.backward_lowering)
+                       for d in (d_qk, d_v))
   qp = _pad_to(_pad_to(q, 1, seq_q_pad), 3, d_qk_pad)
   kp = _pad_to(_pad_to(k, 1, seq_kv_pad), 3, d_qk_pad)
   vp = _pad_to(_pad_to(v, 1, seq_kv_pad), 3, d_v_pad)
+  scale = call.scale
   spec = attention_vjp.CoreSpec(
-      analysis=analysis, scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
+      analysis=call.analysis, scale=float(1.0 / math.sqrt(d_qk) if scale is None else scale),
       seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
-      config=cfg, bwd_config=bwd_cfg, interpret=interpret, forward_lowering=forward_lowering)
-  consts = tuple(() if prog is None else tuple(prog.traced.consts)
-                 for prog in (analysis.score_mod, analysis.mask_mod))
+      config=cfg, bwd_config=bwd_cfg, interpret=call.interpret,
+      forward_lowering=call.forward_lowering, backward_lowering=call.backward_lowering)
   out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

@@ -187,6 +187,26 @@ def test_jit_vmap_and_callables_built_inside_jit(interpret):
     assert_close(out[i], ref)
 
 
+def test_eager_calls_compile_once_per_variant_and_shape():
+  """Eager calls (no outer jit) reuse one compiled program across new
+  closures of the same variant; each call still sees its own captured values."""
+  from pallas_attn import api
+  q, k, v = qkv()
+  api._attention.clear_cache()
+  for n in range(3):
+    slopes = jnp.linspace(0.1, 1.0, HEADS) * (n + 1)
+    alibi = lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)
+    out = pa.attention(q, k, v, score_mod=alibi, config=SMALL, interpret=True)
+    assert_close(out, pa.attention_reference(q, k, v, score_mod=alibi))
+    grad = jax.grad(lambda sl: jnp.sum(pa.attention(
+        q, k, v, score_mod=lambda s, b, h, qi, ki: s + sl[h] * (ki - qi), config=SMALL,
+        interpret=True)))(slopes)
+    ref = jax.grad(lambda sl: jnp.sum(pa.attention_reference(
+        q, k, v, score_mod=lambda s, b, h, qi, ki: s + sl[h] * (ki - qi))))(slopes)
+    assert_close(grad, ref)
+  assert api._attention._cache_size() == 1  # grad runs under its own trace
+
+
 @pytest.mark.parametrize("interpret", MODES)
 def test_default_config_and_longer_sequence(interpret):
   q, k, v = qkv(batch=1, seq_q=200, seq_kv=130, heads=2, kv_heads=1, d_qk=64, d_v=64)

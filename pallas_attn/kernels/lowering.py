@@ -1,18 +1,22 @@
-"""Which lowering runs a call's parallel forward: Mosaic GPU or Triton.
+"""Which lowering runs a call's parallel passes: Mosaic GPU or Triton.
 
-`implementation=None` takes Mosaic GPU (kernels/mosaic_forward.py) where it
-can run the analysis on this device, else Triton, and says why in
-`pallas-attn explain`; an explicit choice that cannot run raises with the
-reason. The backward passes run on Triton for now whichever forward ran
-(they read only the saved row statistics).
+`implementation=None` takes Mosaic GPU (kernels/mosaic_forward.py,
+vjp/mosaic_backward.py) for each pass it can run on this device, else
+Triton, and says why in `pallas-attn explain`; an explicit choice whose
+forward cannot run raises with the reason. The passes are independent (the
+backward reads only the saved row statistics), so a variant the Mosaic
+backward does not lower yet keeps a Mosaic forward.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from pallas_attn.kernels import mosaic_backend
+from pallas_attn.kernels.online import OnlineRowNorm
 from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
@@ -20,19 +24,29 @@ from pallas_attn.spec.analysis import VariantAnalysis
 MOSAIC_GPU, TRITON = "mosaic_gpu", "triton"
 IMPLEMENTATIONS = (MOSAIC_GPU, TRITON)
 MAX_MOSAIC_HEAD_DIM = 256
+MAX_MOSAIC_BACKWARD_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Lowering:
-  """The forward's lowering and, when Triton was picked over Mosaic GPU, why."""
+  """Each pass's lowering and, where Triton was picked over Mosaic GPU, why."""
   forward: str
   reason: str = ""
+  backward: str = TRITON
+  backward_reason: str = ""
 
   def describe(self) -> str:
-    if self.forward == MOSAIC_GPU:
-      return "implementation: mosaic_gpu forward (Hopper template); backward on triton"
-    why = f" (mosaic_gpu not used: {self.reason})" if self.reason else ""
-    return f"implementation: triton forward and backward{why}"
+    def one(name, lowering, reason):
+      why = f" (mosaic_gpu not used: {reason})" if reason else ""
+      return f"{name} on {lowering}{why}"
+    if (self.forward, self.reason) == (self.backward, self.backward_reason):
+      text = one("forward and backward", self.forward, self.reason)
+    else:
+      text = (one("forward", self.forward, self.reason) + "; "
+              + one("backward", self.backward, self.backward_reason))
+    if self.backward == MOSAIC_GPU:
+      text += "; the backward takes triton's passes when a captured array is differentiated"
+    return "implementation: " + text
 
 
 def _program_obstacle(label: str, prog) -> str | None:
@@ -74,32 +88,79 @@ def mosaic_obstacle(analysis: VariantAnalysis, dtype, d_qk: int, d_v: int,
   return None
 
 
+def _derivative_obstacle(analysis: VariantAnalysis) -> str | None:
+  """Whether the tile gradients (score_mod, then the rownorm's weights,
+  differentiated in the score) use primitives Mosaic GPU does not lower."""
+  online = OnlineRowNorm(analysis.rownorm, True, False)
+  prog = analysis.score_mod
+
+  def weights(s):
+    if prog is not None:
+      closed = jex_core.ClosedJaxpr(prog.traced.jaxpr, prog.traced.consts)
+      s = jex_core.jaxpr_as_fun(closed)(s, 0, 0, 0, 0)[0]
+    return online.weights(s)
+
+  score = jnp.float32(0.5)
+  jaxpr = jax.make_jaxpr(lambda s: jax.vjp(weights, s)[1](jnp.ones_like(weights(s))))(score)
+  used = sorted({eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+                - mosaic_backend.PRIMITIVES - _AUTODIFF_PRIMITIVES)
+  if used:
+    return f"the tile gradients use {', '.join(used)}, which the Mosaic GPU lowering lacks"
+  return None
+
+
+# What autodiff adds that mosaic_backend.lowerable rewrites or inlines.
+_AUTODIFF_PRIMITIVES = frozenset(mosaic_backend.AUTODIFF_REWRITES) | {"pjit", "jit"}
+
+
+def mosaic_backward_obstacle(analysis: VariantAnalysis, dtype, d_qk: int, d_v: int,
+                             interpret: bool) -> str | None:
+  """Why the Mosaic GPU backward cannot run this call, or None (calls that
+  differentiate a captured array still take the Triton passes)."""
+  why = mosaic_obstacle(analysis, dtype, d_qk, d_v, interpret)
+  if why:
+    return why
+  if max(padded_head_dim(d, MOSAIC_GPU) for d in (d_qk, d_v)) > MAX_MOSAIC_BACKWARD_HEAD_DIM:
+    return (f"head dims ({d_qk}, {d_v}) over {MAX_MOSAIC_BACKWARD_HEAD_DIM}: the dk/dv "
+            "accumulators outgrow a warpgroup's registers")
+  for label, prog in (("score_mod", analysis.score_mod), ("mask_mod", analysis.mask_mod)):
+    for use in () if prog is None else prog.uses:
+      if not mosaic_backend.supported_capture_axes(use.axes, "kv"):
+        return (f"{label} reads a [q, kv] tile of a captured array, which the transposed "
+                "dk/dv tiles cannot load yet")
+  return _derivative_obstacle(analysis)
+
+
 def choose(implementation: str | None, analysis: VariantAnalysis, dtype, d_qk: int, d_v: int,
-           interpret: bool, config=None) -> Lowering:
-  """The lowering of one call; raises if an explicit one cannot run it.
-  An explicit `config` with tiles the Mosaic template cannot take keeps an
-  unspecified implementation on Triton."""
+           interpret: bool, config=None, bwd_config=None) -> Lowering:
+  """The lowering of one call's passes; raises if an explicit one cannot run
+  the forward. An explicit `config` (`bwd_config`) with tiles the Mosaic
+  templates cannot take keeps an unspecified implementation on Triton."""
   if implementation not in (None, *IMPLEMENTATIONS):
     raise ValueError(f"implementation must be None, 'mosaic_gpu' or 'triton'; got "
                      f"{implementation!r}")
   if implementation == TRITON:
-    return Lowering(TRITON, "implementation='triton' was asked for")
+    asked = "implementation='triton' was asked for"
+    return Lowering(TRITON, asked, TRITON, asked)
   why = mosaic_obstacle(analysis, dtype, d_qk, d_v, interpret)
   if why is None and isinstance(config, AttentionConfig) and implementation is None:
     why = mosaic_config_error(config)
-  if why is None:
-    return Lowering(MOSAIC_GPU)
-  if implementation == MOSAIC_GPU:
+  if why is not None and implementation == MOSAIC_GPU:
     raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {why}. Pass "
                      "implementation=None to fall back to Triton.")
-  return Lowering(TRITON, why)
+  backward_why = why or mosaic_backward_obstacle(analysis, dtype, d_qk, d_v, interpret)
+  if backward_why is None and isinstance(bwd_config, AttentionConfig):
+    backward_why = mosaic_backward_config_error(bwd_config)
+  return Lowering(TRITON if why else MOSAIC_GPU, why or "",
+                  TRITON if backward_why else MOSAIC_GPU, backward_why or "")
 
 
-def padded_head_dim(d: int, forward: str) -> int:
-  """Head dims as the kernels take them: powers of two of at least 16 for
-  Triton's tiles; at least 64 (one 128-byte swizzle row) for Mosaic GPU."""
+def padded_head_dim(d: int, *lowerings: str) -> int:
+  """Head dims as the kernels of the given passes' lowerings take them:
+  powers of two of at least 16 for Triton's tiles; at least 64 (one
+  128-byte swizzle row) where a pass runs on Mosaic GPU."""
   triton = search_space.padded_head_dim(d)
-  return max(64, triton) if forward == MOSAIC_GPU else triton
+  return max(64, triton) if MOSAIC_GPU in lowerings else triton
 
 
 def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
@@ -111,6 +172,26 @@ def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> Att
   block_k = 128 if max(d_qk, d_v) <= 128 and seq_kv > 64 else 64
   return AttentionConfig(block_q=block_q, block_k=block_k,
                          num_warps=4 * (block_q // mosaic_backend.WG_ROWS + 1), num_stages=2)
+
+
+def heuristic_mosaic_backward_config(seq_q: int, seq_kv: int, d_qk: int,
+                                     d_v: int) -> AttentionConfig:
+  """Mosaic GPU backward tiles: dq programs of block_q queries and dk/dv
+  programs of block_k keys, two consumer warpgroups each (one for a single
+  short block), streaming 64-row tiles through a four-slot ring."""
+  del d_qk, d_v
+  block_q = 64 if seq_q <= 64 else 128
+  block_k = 64 if seq_kv <= 64 else 128
+  return AttentionConfig(block_q=block_q, block_k=block_k,
+                         num_warps=4 * (max(block_q, block_k) // mosaic_backend.WG_ROWS + 1),
+                         num_stages=4)
+
+
+def mosaic_backward_config_error(config: AttentionConfig) -> str | None:
+  if config.block_q not in (64, 128) or config.block_k not in (64, 128):
+    return (f"a mosaic_gpu backward config needs block_q and block_k of 64 or 128 (one or "
+            f"two consumer warpgroups); got {config}")
+  return None
 
 
 def mosaic_config_error(config: AttentionConfig) -> str | None:

@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels.online import RowLayout
+from pallas_attn.spec.trace import is_literal
 
 try:  # absent or broken on some JAX builds; `unavailable` says so
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -95,43 +96,107 @@ def tile_indices(start, shape, axis: int):
   return start + plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
-def capture_loader(b, h, q_start, rows: int):
-  """Reads captured arrays (whole `GMEM` refs) for a tile of `rows` queries
-  from `q_start`: `(ref, operand, kv_start, size) -> value`, a scalar or a
-  `[rows, size]` tile in the accumulator layout (tiles.TileContext.loader)."""
+def capture_loader(b, h, fixed_axis: str, start, rows: int):
+  """Reads captured arrays (whole `GMEM` refs) for tiles of `rows` positions
+  of `fixed_axis` ('q' or 'kv') from `start`: `(ref, operand, other_start,
+  size) -> value`, a scalar or a `[rows, size]` tile in the accumulator
+  layout whose columns run along the other axis (tiles.TileContext.loader).
+  The forward and dq tiles are `[q, kv]`; the dk/dv tiles `[kv, q]`."""
 
-  def load(ref, operand, kv_start, size):
+  def load(ref, operand, other_start, size):
     index, seq_axes = [], []
     for a in operand.axes:
       if a == "b":
         index.append(b)
       elif a == "h":
         index.append(h)
-      elif a == "q":
-        index.append(pl.ds(q_start, rows))
-        seq_axes.append(a)
-      elif a == "kv":
-        index.append(pl.ds(kv_start, size))
+      elif a in ("q", "kv"):
+        index.append(pl.ds(start, rows) if a == fixed_axis else pl.ds(other_start, size))
         seq_axes.append(a)
       else:
         index.append(a)
     shape = (rows, size)
     if not seq_axes:
       x = ref[tuple(index)]
-    elif seq_axes == ["q"]:
-      x = plgpu.load(ref, tuple(index), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-      x = lax.broadcast_in_dim(x, shape, (0,))
-    elif seq_axes == ["kv"]:
-      x = plgpu.load(ref, tuple(index), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-      x = lax.broadcast_in_dim(x, shape, (1,))
-    else:
+    elif len(seq_axes) == 1:
+      tile_axis = 0 if seq_axes[0] == fixed_axis else 1
+      x = plgpu.load(ref, tuple(index), layout=plgpu.Layout.WGMMA.reduce(1 - tile_axis),
+                     optimized=False)
+      x = lax.broadcast_in_dim(x, shape, (tile_axis,))
+    elif seq_axes[0] == fixed_axis:
       x = plgpu.load(ref, tuple(index), layout=plgpu.Layout.WGMMA, optimized=False)
+    else:
+      raise NotImplementedError("a [kv, q]-ordered tile load (see supported_capture_axes)")
     return x != 0 if operand.is_bool else x
 
   return load
 
 
-def supported_capture_axes(axes) -> bool:
-  """Loads `capture_loader` can do: scalars, rows, keys, `[.., q, .., kv]` tiles."""
+def supported_capture_axes(axes, fixed_axis: str = "q") -> bool:
+  """Loads `capture_loader` can do: scalars, rows, keys, and full tiles
+  whose sequence axes come in the tile's order (fixed axis first)."""
   seq = [a for a in axes if a in ("q", "kv")]
-  return seq in ([], ["q"], ["kv"], ["q", "kv"])
+  return len(seq) < 2 or seq[0] == fixed_axis
+
+
+def block_visits(list_refs, b, h, block, num_plain: int, num_blocks: int):
+  """((count, j -> block) of the unmasked visits, the same of the masked
+  ones) of one program's `block`: from its rows of a block mask's lists
+  (`[Bm, Hm, n, ...]` GMEM refs, Bm and Hm 1 where the mask does not depend
+  on b or h), else blocks `[0, num_plain)` unmasked and the rest masked."""
+  if list_refs is not None:
+    partial_num, partial_idx, full_num, full_idx = list_refs
+    bb = b if partial_num.shape[0] > 1 else 0
+    hh = h if partial_num.shape[1] > 1 else 0
+    return ((full_num[bb, hh, block], lambda j: full_idx[bb, hh, block, j]),
+            (partial_num[bb, hh, block], lambda j: partial_idx[bb, hh, block, j]))
+  return (num_plain, lambda j: j), (num_blocks - num_plain, lambda j: num_plain + j)
+
+
+def fold_visits(visits, body, carry, step=0):
+  """Folds `body(step, block, masked, carry)` over the unmasked visits, then
+  the masked ones, `step` counting visits from `step`. Returns (carry, the
+  step after the last). Producer and consumers fold the same visits, so
+  their steps (ring slots) agree."""
+  (full_num, full_at), (partial_num, partial_at) = visits
+  carry = lax.fori_loop(0, full_num, lambda j, c: body(step + j, full_at(j), False, c), carry)
+  step = step + full_num
+  carry = lax.fori_loop(0, partial_num, lambda j, c: body(step + j, partial_at(j), True, c),
+                        carry)
+  return carry, step + partial_num
+
+
+# Primitives that autodiff binds and Mosaic GPU's lowering (JAX 0.10-0.11)
+# lacks, with what `lowerable` binds instead.
+AUTODIFF_REWRITES = {
+    "add_any": lax.add,                      # sums of cotangents
+    "one_minus_square": lambda x: 1 - x * x,  # tanh's derivative (JAX 0.11)
+}
+
+
+def lowerable(fn):
+  """`fn()` with the primitives of AUTODIFF_REWRITES bound as Mosaic GPU
+  lowers them: `fn` is traced to a jaxpr and evaluated equation by equation
+  (jit calls inlined). For autodiff inside a kernel (the backward's tile
+  gradients)."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)()
+  outs = _evaluate(closed.jaxpr, closed.consts, [])
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _evaluate(jaxpr, consts, args):
+  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+  read = lambda v: v.val if is_literal(v) else env[v]
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in AUTODIFF_REWRITES:
+      outs = [AUTODIFF_REWRITES[name](*invals)]
+    elif name in ("pjit", "jit"):
+      inner = eqn.params["jaxpr"]
+      outs = _evaluate(inner.jaxpr, inner.consts, invals)
+    else:
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]

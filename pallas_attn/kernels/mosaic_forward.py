@@ -37,28 +37,10 @@ _CONSUMER_REGISTERS = 232
 
 
 def _visits(plan: ForwardPlan, list_refs, b, h, qi):
-  """((count, kv block of entry j) for the unmasked visits, the same for the
-  masked ones) of q block `qi`."""
-  if list_refs is not None:
-    partial_num, partial_idx, full_num, full_idx = list_refs
-    pick = lambda ref, axis, i: i if ref.shape[axis] > 1 else 0
-    bb, hh = pick(partial_num, 0, b), pick(partial_num, 1, h)
-    return ((full_num[bb, hh, qi], lambda j: full_idx[bb, hh, qi, j]),
-            (partial_num[bb, hh, qi], lambda j: partial_idx[bb, hh, qi, j]))
-  if plan.analysis.mask_mod is not None:
-    return (0, None), (plan.num_kv_blocks, lambda j: j)
-  plain = plan.seq_kv // plan.block_k
-  return (plain, lambda j: j), (plan.num_kv_blocks - plain, lambda j: plain + j)
-
-
-def _visit(visits, body, carry):
-  """Folds `body(step, kv_block, masked, carry)` over the unmasked visits,
-  then the masked ones; `step` counts visits from 0 across both."""
-  (full_num, full_at), (partial_num, partial_at) = visits
-  if full_at is not None:
-    carry = lax.fori_loop(0, full_num, lambda j, c: body(j, full_at(j), False, c), carry)
-  return lax.fori_loop(0, partial_num,
-                       lambda j, c: body(full_num + j, partial_at(j), True, c), carry)
+  """The kv blocks q block `qi` visits (mosaic_backend.block_visits): listed,
+  or every one, masked with a mask_mod, else only the ragged last."""
+  num_plain = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // plan.block_k
+  return mb.block_visits(list_refs, b, h, qi, num_plain, plan.num_kv_blocks)
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
@@ -108,7 +90,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       mb.plgpu.copy_gmem_to_smem(v_ref.at[rows_kv], v_smem.at[slot], v_ready.at[slot])
       return carry
 
-    _visit(visits, load, None)
+    mb.fold_visits(visits, load, None)
 
   @pl.when(wg < consumers)
   def _consumer():
@@ -117,7 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
     mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
     tile = dataclasses.replace(plan.tile, fast_math=False,
-                               loader=mb.capture_loader(b, h, q_start, rows))
+                               loader=mb.capture_loader(b, h, "q", q_start, rows))
     online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
     fold = plan.folds_log2 and plan.scale > 0
     qk_scale = plan.scale * LOG2E if fold else plan.scale
@@ -174,7 +156,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       mb.plgpu.barrier_arrive(v_free.at[slot])
       return (acc,) + row_state
 
-    state = _visit(visits, fold_block, state)
+    state, _ = mb.fold_visits(visits, fold_block, state)
     if schedule:
       pl.when(wg == 0)(schedule_barrier)
     out, lse = online.finalize(state)

@@ -52,6 +52,7 @@ class CoreSpec:
   bwd_config: AttentionConfig
   interpret: bool
   forward_lowering: str = lowering.TRITON  # kernels/lowering.py
+  backward_lowering: str = lowering.TRITON
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -152,21 +153,32 @@ def _core_bwd(spec, res: _Residuals, cotangents):
   score_uses = () if analysis.score_mod is None else analysis.score_mod.uses
   grad_kinds = tuple(parallel_backward.gradient_kind(use.axes)
                      if res.differentiated[use.capture] else None for use in score_uses)
-  cfg = spec.bwd_config
+  cfg, block_mask, template = spec.bwd_config, res.block_mask, parallel_backward
+  if spec.backward_lowering == lowering.MOSAIC_GPU:
+    if any(kind is not None for kind in grad_kinds):
+      # Capture gradients are Triton's alone: its passes on its tiles (a
+      # finer block mask is exact but may visit some empty tiles).
+      cfg = parallel_backward.heuristic_backward_config(
+          spec.seq_q, spec.seq_kv, res.q.shape[-1], res.v.shape[-1])
+      if block_mask is not None:
+        block_mask = block_mask.with_blocks(cfg.block_q, cfg.block_k)
+    else:
+      from pallas_attn.vjp import mosaic_backward
+      template = mosaic_backward
   plan = parallel_backward.BackwardPlan(
-      **_plan_fields(spec, cfg, operands, res.block_mask is not None, res.sinks is not None),
+      **_plan_fields(spec, cfg, operands, block_mask is not None, res.sinks is not None),
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
   rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
-  dq, dk, dv, partials = parallel_backward.backward(
-      res.q, res.k, res.v, d_out, rows, capture_arrays, res.block_mask, plan=plan, config=cfg,
+  dq, dk, dv, partials = template.backward(
+      res.q, res.k, res.v, d_out, rows, capture_arrays, block_mask, plan=plan, config=cfg,
       interpret=spec.interpret)
   score_consts, mask_consts = res.consts
   grads = [None] * len(score_consts)
   for n, (use, kind, partial) in enumerate(zip(score_uses, grad_kinds, partials)):
     if kind is None:
       continue
-    if kind == TILE and res.block_mask is not None:
-      partial = _zero_unvisited(partial, res.block_mask)
+    if kind == TILE and block_mask is not None:
+      partial = _zero_unvisited(partial, block_mask)
     const = score_consts[use.capture]
     if kind == GATHER:
       g = _gather_gradient(partial, operands[n], use.axes, jnp.shape(const))

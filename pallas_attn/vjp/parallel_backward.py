@@ -159,13 +159,16 @@ def _where(keep, x):
   return x if keep is None else jnp.where(keep, x, 0.0)
 
 
-def _tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, keep, position,
-                    cap_refs, window, grad_uses):
-  """Gradients on one `[block_q, block_k]` tile.
+def tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, keep, position,
+                   cap_refs, window, grad_uses, lower=lambda f: f()):
+  """Gradients on one tile, `[block_q, block_k]` (or its transpose: the
+  algebra is elementwise).
 
   s: the scaled score (log2 domain when `plan.folds_log2`); dp: `dO V^T`;
-  rows: the row terms as `[block_q, 1]` columns; position: (b, h, q_idx,
-  kv_idx); window: where captures are read along the unblocked axis.
+  rows: the row terms, broadcastable to the tile; position: (b, h, q_idx,
+  kv_idx); window: where captures are read along the unblocked axis;
+  lower: how the differentiated tile programs are evaluated (`lower(f)`
+  calls the thunk `f`; a lowering may rewrite what autodiff binds).
   Returns (W, the weights that multiply V; ds, the gradient with respect
   to the scaled score; the cotangent tiles of the `grad_uses` captures;
   their flat positions, for gathers). All are zero where `keep` is False.
@@ -187,34 +190,36 @@ def _tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, ke
     return (online.weights(score),
             *(run_tile_program(st.operand, score, plan.fast_math) for st in rownorm.stats))
 
-  # Captures enter at full tile shape so that each position's cotangent can
-  # be masked before it is summed.
-  diff = tuple(jnp.broadcast_to(captures[u], s.shape) for u in grad_uses)
-  outs, pullback = jax.vjp(programs, s, *diff)
-  if rownorm.kind == "softmax":
-    lse2, delta = rows
-    weights = _where(keep, jnp.exp2(outs[0] - lse2))
-    cotangents = (weights * (dp - delta) * LN2,)
-  elif rownorm.kind == "elementwise":
-    weights = _where(keep, outs[0])
-    cotangents = (_where(keep, dp),)
-  else:
-    factor, *rest = rows
-    num_stats = len(rownorm.stats)
-    d_stats, argmaxes = rest[:num_stats], iter(rest[num_stats:])
-    weights = factor * _where(keep, outs[0])
-    cotangents = [_where(keep, factor * dp)]
-    for st, d in zip(rownorm.stats, d_stats):
-      at = keep
-      if st.reducer == "max":
-        at_max = kv_idx.astype(jnp.float32) == next(argmaxes)
-        at = at_max if keep is None else jnp.logical_and(keep, at_max)
-      cotangents.append(_where(at, jnp.broadcast_to(d, s.shape)))
-    cotangents = tuple(cotangents)
-  ds, *d_captures = pullback(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs)))
-  return (weights, _where(keep, ds.astype(jnp.float32)),
-          tuple(_where(keep, d.astype(jnp.float32)) for d in d_captures),
-          tuple(flats[u] for u in grad_uses))
+  def differentiate():
+    # Captures enter at full tile shape so that each position's cotangent
+    # can be masked before it is summed.
+    diff = tuple(jnp.broadcast_to(captures[u], s.shape) for u in grad_uses)
+    outs, pullback = jax.vjp(programs, s, *diff)
+    if rownorm.kind == "softmax":
+      lse2, delta = rows
+      weights = _where(keep, jnp.exp2(outs[0] - lse2))
+      cotangents = (weights * (dp - delta) * LN2,)
+    elif rownorm.kind == "elementwise":
+      weights = _where(keep, outs[0])
+      cotangents = (_where(keep, dp),)
+    else:
+      factor, *rest = rows
+      num_stats = len(rownorm.stats)
+      d_stats, argmaxes = rest[:num_stats], iter(rest[num_stats:])
+      weights = factor * _where(keep, outs[0])
+      cotangents = [_where(keep, factor * dp)]
+      for st, d in zip(rownorm.stats, d_stats):
+        at = keep
+        if st.reducer == "max":
+          at_max = kv_idx.astype(jnp.float32) == next(argmaxes)
+          at = at_max if keep is None else jnp.logical_and(keep, at_max)
+        cotangents.append(_where(at, jnp.broadcast_to(d, s.shape)))
+    ds, *d_captures = pullback(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs)))
+    return (weights, _where(keep, ds.astype(jnp.float32)),
+            tuple(_where(keep, d.astype(jnp.float32)) for d in d_captures))
+
+  weights, ds, d_captures = lower(differentiate)
+  return weights, ds, d_captures, tuple(flats[u] for u in grad_uses)
 
 
 def _split_inputs(plan: BackwardPlan, refs):
@@ -259,7 +264,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
     dp = backend.dot(do, v, trans_b=True, fp32_exact=plan.fp32_exact)
     kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
     keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-    _, ds, d_captures, flats = _tile_gradients(
+    _, ds, d_captures, flats = tile_gradients(
         plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs, (kv_start, bk),
         row_uses + tile_uses + gather_uses)
     dq = dq + backend.dot(ds.astype(k.dtype), k, fp32_exact=plan.fp32_exact)
@@ -318,7 +323,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
       if mask_rows:
         valid = q_idx < plan.seq_q
         keep = valid if keep is None else jnp.logical_and(keep, valid)
-      weights, ds, d_captures, _ = _tile_gradients(
+      weights, ds, d_captures, _ = tile_gradients(
           plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs, (q_start, bq),
           key_uses)
       dv = dv + backend.dot(weights.astype(do.dtype).T, do, fp32_exact=plan.fp32_exact)

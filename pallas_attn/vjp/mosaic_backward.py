@@ -1,0 +1,348 @@
+"""The parallel backward (dq, and dk/dv), lowered with Pallas Mosaic GPU (Hopper).
+
+The passes and the per-tile algebra are those of vjp/parallel_backward.py
+(`tile_gradients`: recomputed scores, the variant's programs and their
+`jax.vjp`, the row terms of vjp/attention_vjp.py); the layout is that of
+kernels/mosaic_forward.py. A program is `consumers` warpgroups of 64 fixed
+rows each, fed by a producer warpgroup that streams 64-row tiles of the other
+side by TMA through a ring of `num_stages` shared-memory slots:
+
+* dq: a program owns block_q queries of one head and streams K and V tiles;
+  per step S = Q K^T, dP = dO V^T, dS, then dQ += dS K.
+* dk/dv: a program owns block_k keys of one kv head and streams, for each
+  query head of its GQA group, Q, dO and the row terms; per step the
+  transposed tile S^T = K Q^T, dP^T = V dO^T, the weights P^T and dS^T,
+  then dV += P^T dO and dK += dS^T Q (wgmma takes the register operand on
+  the left, so the program's own rows must be the tile's rows).
+
+Visits come from the block mask at (block_q, block_k) (or every block, as
+the Triton passes); each visited block is streamed in 64-row sub-steps.
+Capture gradients are not lowered here: calls that need them run the Triton
+passes (vjp/attention_vjp.py decides).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import mosaic_backend as mb
+from pallas_attn.kernels.online import LOG2E
+from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.vjp.parallel_backward import BackwardPlan, tile_gradients
+
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+SUB = mb.WG_ROWS  # rows per streamed tile and per consumer warpgroup
+
+
+def _score_scale(plan: BackwardPlan) -> float:
+  return plan.scale * LOG2E if plan.folds_log2 else plan.scale
+
+
+def _zeros(rows: int, cols: int):
+  return mb.as_tile(jnp.zeros((rows, cols), jnp.float32))
+
+
+def _gradients(plan, tile, s, dp, rows, keep, position, cap_refs, window):
+  """(weights, ds) of one tile, autodiff's primitives bound as Mosaic lowers them."""
+  weights, ds, _, _ = tile_gradients(plan, tile, s * _score_scale(plan), dp, rows, keep,
+                                     position, cap_refs, window, (), lower=mb.lowerable)
+  return weights, ds
+
+
+def _split(plan: BackwardPlan, refs):
+  """(row-term ref or None, capture refs, block-mask list refs or None, rest)."""
+  rows_ref = None
+  if plan.num_row_terms:
+    rows_ref, refs = refs[0], refs[1:]
+  n_caps = len(plan.operands)
+  cap_refs, refs = refs[:n_caps], refs[n_caps:]
+  list_refs = None
+  if plan.block_sparse:
+    list_refs, refs = refs[:4], refs[4:]
+  return rows_ref, cap_refs, list_refs, refs
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int,
+               num_q_blocks: int):
+  rows_ref, cap_refs, list_refs, rest = _split(plan, refs)
+  (dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, k_ready, v_ready, k_free,
+   v_free) = rest
+  dtype = q_ref.dtype
+  consumers = plan.block_q // SUB
+  sub_steps = plan.block_k // SUB
+  qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
+  b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+  num_plain = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // plan.block_k
+  visits = mb.block_visits(list_refs, b, h, qi, num_plain, plan.num_kv_blocks)
+
+  @pl.when(wg == consumers)
+  def _producer():
+    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
+
+    def load(step, kv_block, masked, carry):
+      del masked
+      for i in range(sub_steps):
+        t = step * sub_steps + i
+        slot = lax.rem(t, stages)
+        at = (b, pl.ds(kv_block * plan.block_k + i * SUB, SUB), kv_head)
+        for src, ring, ready, free in ((k_ref, k_smem, k_ready, k_free),
+                                       (v_ref, v_smem, v_ready, v_free)):
+          pl.when(t >= stages)(functools.partial(mb.plgpu.barrier_wait, free.at[slot]))
+          mb.plgpu.copy_gmem_to_smem(src.at[at], ring.at[slot], ready.at[slot])
+      return carry
+
+    mb.fold_visits(visits, load, None)
+
+  @pl.when(wg < consumers)
+  def _consumer():
+    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    q_start = qi * plan.block_q + wg * SUB
+    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+    mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, SUB), h], q_tile, q_ready.at[wg])
+    mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
+    tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
+    q_idx = mb.tile_indices(q_start, (SUB, SUB), 0)
+    rows = tuple(
+        mb.plgpu.load(rows_ref, (b, h, n, pl.ds(q_start, SUB)),
+                      layout=mb.plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        for n in range(plan.num_row_terms))
+    mb.plgpu.barrier_wait(q_ready.at[wg])
+    mb.plgpu.barrier_wait(do_ready.at[wg])
+
+    def visit(step, kv_block, masked: bool, dq):
+      for i in range(sub_steps):
+        slot = lax.rem(step * sub_steps + i, stages)
+        kv_start = kv_block * plan.block_k + i * SUB
+        k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
+        mb.plgpu.barrier_wait(k_ready.at[slot])
+        mb.plgpu.barrier_wait(v_ready.at[slot])
+
+        def products(s_ref, dp_ref):
+          mb.plgpu.wgmma(s_ref, q_tile, mb.plgpu.transpose_ref(k_slot, (1, 0)))
+          mb.plgpu.wgmma(dp_ref, do_tile, mb.plgpu.transpose_ref(v_slot, (1, 0)))
+          return s_ref[...], dp_ref[...]
+
+        acc = mb.plgpu.ACC((SUB, SUB), jnp.float32)
+        s, dp = pl.run_scoped(products, acc, acc)
+        mb.plgpu.barrier_arrive(v_free.at[slot])
+        kv_idx = mb.tile_indices(kv_start, (SUB, SUB), 1)
+        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, SUB)
+        row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, SUB), (0,)) for r in rows)
+        _, ds = _gradients(plan, tile, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx), cap_refs,
+                           (kv_start, SUB))
+
+        def dq_update(acc_ref):
+          mb.plgpu.wgmma(acc_ref, ds.astype(dtype), k_slot)
+
+        dq = pl.run_state(dq_update)(mb.plgpu.ACC.init(dq))
+        mb.plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    dq, _ = mb.fold_visits(visits, visit, _zeros(SUB, q_ref.shape[-1]))
+    q_tile[...] = (dq * plan.scale).astype(dtype)
+    mb.plgpu.commit_smem()
+    mb.plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, pl.ds(q_start, SUB), h])
+    mb.plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int):
+  rows_ref, cap_refs, list_refs, rest = _split(plan, refs)
+  (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, *rest) = rest
+  rows_smem = rest.pop(0) if rows_ref is not None else None
+  k_ready, v_ready, q_ready, do_ready, rows_ready, free = rest
+  dtype = q_ref.dtype
+  consumers = plan.block_k // SUB
+  sub_steps = plan.block_q // SUB
+  ki, b, kv_head = lax.axis_index("kv"), lax.axis_index("b"), lax.axis_index("h")
+  wg = lax.axis_index("wg")
+  num_plain = 0 if plan.analysis.mask_mod is not None else plan.num_q_blocks
+  # Padded query rows have dO = 0; outside plain softmax their scores could
+  # still make non-finite derivatives, so they are masked.
+  mask_rows = not plan.folds_log2 and plan.seq_q % plan.block_q != 0
+
+  def head_of(g):
+    return kv_head * plan.group + g
+
+  def over_heads(body, carry):
+    """Folds `body(h, carry, step) -> (carry, step)` over the group's query heads."""
+    def one(g, c):
+      return body(head_of(g), *c)
+    if plan.group == 1:
+      return one(0, (carry, 0))
+    return lax.fori_loop(0, plan.group, one, (carry, 0))
+
+  def visits_of(h):
+    return mb.block_visits(list_refs, b, h, ki, num_plain, plan.num_q_blocks)
+
+  @pl.when(wg == consumers)
+  def _producer():
+    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    def head(h, carry, step):
+      def load(step, q_block, masked, carry):
+        del masked
+        for i in range(sub_steps):
+          t = step * sub_steps + i
+          slot = lax.rem(t, stages)
+          q_rows = pl.ds(q_block * plan.block_q + i * SUB, SUB)
+          pl.when(t >= stages)(functools.partial(mb.plgpu.barrier_wait, free.at[slot]))
+          mb.plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h], q_smem.at[slot], q_ready.at[slot])
+          mb.plgpu.copy_gmem_to_smem(do_ref.at[b, q_rows, h], do_smem.at[slot],
+                                     do_ready.at[slot])
+          if rows_ref is not None:
+            mb.plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, q_rows], rows_smem.at[slot],
+                                       rows_ready.at[slot])
+        return carry
+
+      return mb.fold_visits(visits_of(h), load, carry, step)
+
+    over_heads(head, None)
+
+  @pl.when(wg < consumers)
+  def _consumer():
+    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    kv_start = ki * plan.block_k + wg * SUB
+    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    kv_rows = (b, pl.ds(kv_start, SUB), kv_head)
+    mb.plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_tile, k_ready.at[wg])
+    mb.plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_tile, v_ready.at[wg])
+    kv_idx = mb.tile_indices(kv_start, (SUB, SUB), 0)
+    mb.plgpu.barrier_wait(k_ready.at[wg])
+    mb.plgpu.barrier_wait(v_ready.at[wg])
+
+    def head(h, acc, step):
+      tile = dataclasses.replace(plan.kv_tile,
+                                 loader=mb.capture_loader(b, h, "kv", kv_start, SUB))
+
+      def visit(step, q_block, masked: bool, acc):
+        dk, dv = acc
+        for i in range(sub_steps):
+          slot = lax.rem(step * sub_steps + i, stages)
+          q_start = q_block * plan.block_q + i * SUB
+          q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+          mb.plgpu.barrier_wait(q_ready.at[slot])
+          mb.plgpu.barrier_wait(do_ready.at[slot])
+
+          def products(s_ref, dp_ref):
+            mb.plgpu.wgmma(s_ref, k_tile, mb.plgpu.transpose_ref(q_slot, (1, 0)))
+            mb.plgpu.wgmma(dp_ref, v_tile, mb.plgpu.transpose_ref(do_slot, (1, 0)))
+            return s_ref[...], dp_ref[...]
+
+          tile_acc = mb.plgpu.ACC((SUB, SUB), jnp.float32)
+          s, dp = pl.run_scoped(products, tile_acc, tile_acc)
+          rows = ()
+          if rows_ref is not None:
+            mb.plgpu.barrier_wait(rows_ready.at[slot])
+            rows = tuple(
+                lax.broadcast_in_dim(
+                    mb.plgpu.load(rows_smem.at[slot], (n,),
+                                  layout=mb.plgpu.Layout.WGMMA.reduce(0)),
+                    (SUB, SUB), (1,))
+                for n in range(plan.num_row_terms))
+          q_idx = mb.tile_indices(q_start, (SUB, SUB), 1)
+          keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, q_start, SUB)
+          if mask_rows:
+            valid = q_idx < plan.seq_q
+            keep = valid if keep is None else jnp.logical_and(keep, valid)
+          w, ds = _gradients(plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
+                             (q_start, SUB))
+
+          def updates(refs):
+            dv_ref, dk_ref = refs
+            mb.plgpu.wgmma(dv_ref, w.astype(dtype), do_slot)
+            mb.plgpu.wgmma(dk_ref, ds.astype(dtype), q_slot)
+
+          dv, dk = pl.run_state(updates)((mb.plgpu.ACC.init(dv), mb.plgpu.ACC.init(dk)))
+          mb.plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      return mb.fold_visits(visits_of(h), visit, acc, step)
+
+    init = (_zeros(SUB, k_ref.shape[-1]), _zeros(SUB, v_ref.shape[-1]))
+    (dk, dv), _ = over_heads(head, init)
+    k_tile[...] = (dk * plan.scale).astype(dtype)
+    v_tile[...] = dv.astype(dtype)
+    mb.plgpu.commit_smem()
+    mb.plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[kv_rows])
+    mb.plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[kv_rows])
+    mb.plgpu.wait_smem_to_gmem(0)
+
+
+def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: BackwardPlan,
+             config: AttentionConfig, interpret: bool):
+  """Runs the Mosaic GPU dq and dk/dv kernels on padded inputs; the contract
+  of parallel_backward.backward for calls whose captures need no gradient
+  (softmax and elementwise rownorms). `config.block_q` / `block_k` are the
+  rows a dq / dk-dv program owns (64 per consumer warpgroup) and the block
+  mask's tiles; `config.num_stages` the depth of the 64-row ring."""
+  del interpret  # compiled only (mosaic_backend.unavailable)
+  if any(kind is not None for kind in plan.grad_kinds):
+    raise ValueError("the Mosaic GPU backward does not lower capture gradients")
+  batch, seq_q_pad, heads, d_qk = q.shape
+  seq_kv_pad, kv_heads, d_v = k.shape[1], k.shape[2], v.shape[-1]
+  num_q_blocks, num_kv_blocks = seq_q_pad // plan.block_q, seq_kv_pad // plan.block_k
+  stages = config.num_stages
+  transforms = mb.smem_transforms()
+  smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
+  row_inputs = () if rows is None else (rows,)
+  params = mb.compiler_params(plan.fast_math)
+  kernel_plan = dataclasses.replace(plan, fast_math=False)  # approximations: compiler_params
+
+  consumers = plan.block_q // SUB
+  q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
+  dq = mb.plgpu.kernel(
+      functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=[
+          smem((consumers, SUB, d_qk), q.dtype),
+          smem((consumers, SUB, d_v), q.dtype),
+          smem((stages, SUB, d_qk), k.dtype),
+          smem((stages, SUB, d_v), v.dtype),
+          mb.plgpu.Barrier(num_barriers=consumers),
+          mb.plgpu.Barrier(num_barriers=consumers),
+          mb.plgpu.Barrier(num_barriers=stages),
+          mb.plgpu.Barrier(num_barriers=stages),
+          mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+          mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+      ],
+      grid=(num_q_blocks, batch, heads),
+      grid_names=("q", "b", "h"),
+      num_threads=consumers + 1,
+      thread_name="wg",
+      compiler_params=params,
+  )(q, k, v, d_out, *row_inputs, *capture_arrays, *q_lists)
+
+  consumers = plan.block_k // SUB
+  kv_lists = () if block_mask is None else block_mask.kv_major(num_kv_blocks)
+  rows_scratch = [] if rows is None else [mb.plgpu.SMEM((stages, rows.shape[2], SUB),
+                                                        jnp.float32)]
+  dk, dv = mb.plgpu.kernel(
+      functools.partial(_dkv_kernel, plan=kernel_plan, stages=stages),
+      out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      scratch_types=[
+          smem((consumers, SUB, d_qk), k.dtype),
+          smem((consumers, SUB, d_v), v.dtype),
+          smem((stages, SUB, d_qk), q.dtype),
+          smem((stages, SUB, d_v), q.dtype),
+          *rows_scratch,
+          mb.plgpu.Barrier(num_barriers=consumers),
+          mb.plgpu.Barrier(num_barriers=consumers),
+          mb.plgpu.Barrier(num_barriers=stages),
+          mb.plgpu.Barrier(num_barriers=stages),
+          mb.plgpu.Barrier(num_barriers=stages),
+          mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+      ],
+      grid=(num_kv_blocks, batch, kv_heads),
+      grid_names=("kv", "b", "h"),
+      num_threads=consumers + 1,
+      thread_name="wg",
+      compiler_params=params,
+  )(q, k, v, d_out, *row_inputs, *capture_arrays, *kv_lists)
+  return dq, dk, dv, (None,) * len(plan.grad_kinds)

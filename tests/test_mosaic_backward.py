@@ -1,0 +1,127 @@
+"""The Mosaic GPU backward (dq, dk/dv) against jax.grad of the float32
+reference (compiled on Hopper GPUs), and the choice of the backward's
+lowering (everywhere)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn as pa
+from pallas_attn import variants
+from pallas_attn.kernels import lowering, mosaic_backend
+from pallas_attn.spec.analysis import analyze_variant
+from conftest import assert_close, qkv, random
+from test_mosaic_forward import B, HKV, HQ, HOPPER, _variant
+
+hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
+
+
+def _gradients(fn, q, k, v, kw):
+  do = random((*q.shape[:3], v.shape[3]), seed=4)
+
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * do)
+
+  return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def _check(q, k, v, kw, factor=2.0, **attention_kwargs):
+  """Our gradients (Mosaic backward where chosen) against the float32 reference's."""
+  ours = _gradients(lambda *a, **w: pa.attention(*a, **attention_kwargs, **w), q, k, v, kw)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  refs = _gradients(pa.attention_reference, *f32, kw)
+  for name, g, r in zip("qkv", ours, refs):
+    assert not np.isnan(np.asarray(g, np.float32)).any(), name
+    assert_close(g, r, q.dtype.type, factor=factor)
+  return ours
+
+
+def _lowering(kw, d_qk=128, d_v=128):
+  analysis = analyze_variant(kw.get("score_mod"), kw.get("mask_mod"),
+                             kw.get("rownorm", "softmax"))
+  return lowering.choose(None, analysis, jnp.bfloat16, d_qk, d_v, False)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vanilla", "causal", "softcap", "alibi", "window", "documents",
+                                  "sigmoid", "sinks", "key_bias", "row_bias"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_variants_ragged_gqa(name, dtype):
+  seq = 333
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=dtype)
+  kw = _variant(name, seq, seq)
+  chosen = _lowering(kw)
+  assert chosen.backward == "mosaic_gpu", chosen.describe()
+  _check(q, k, v, kw)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_q,seq_kv,d_qk,d_v,kv_heads", [
+    (200, 520, 64, 64, 1), (520, 200, 128, 128, 4), (300, 300, 128, 64, 2),
+    (1, 77, 128, 128, 1), (129, 129, 96, 32, 1), (64, 64, 64, 64, 2), (1000, 1000, 128, 128, 1)])
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
+def test_shapes(seq_q, seq_kv, d_qk, d_v, kv_heads, masked):
+  q, k, v = qkv(batch=1, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=kv_heads, d_qk=d_qk,
+                d_v=d_v, dtype=jnp.bfloat16, seed=seq_q)
+  kw = variants.causal(seq_q=seq_q, seq_kv=seq_kv).kwargs() if masked else {}
+  _check(q, k, v, kw)
+
+
+@hopper
+@pytest.mark.gpu
+def test_agrees_with_triton_and_is_deterministic():
+  q, k, v = qkv(batch=2, seq_q=1024, seq_kv=1024, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=3)
+  kw = variants.causal().kwargs()
+  mosaic = _gradients(pa.attention, q, k, v, kw)
+  again = _gradients(pa.attention, q, k, v, kw)
+  triton = _gradients(lambda *a, **w: pa.attention(*a, implementation="triton", **w), q, k, v,
+                      kw)
+  for m, a, t in zip(mosaic, again, triton):
+    np.testing.assert_array_equal(np.asarray(m, np.float32), np.asarray(a, np.float32))
+    assert_close(m, t.astype(jnp.float32), jnp.bfloat16, factor=2.0)
+
+
+@hopper
+@pytest.mark.gpu
+def test_differentiated_captures_take_the_triton_passes():
+  seq = 200
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=2)
+  slopes = jnp.linspace(0.05, 0.5, HQ)
+
+  def loss(fn, slopes, q, k, v):
+    out = fn(q, k, v, score_mod=lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi))
+    return jnp.sum(out.astype(jnp.float32))
+
+  got = jax.grad(lambda s: loss(pa.attention, s, q, k, v))(slopes)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  want = jax.grad(lambda s: loss(pa.attention_reference, s, *f32))(slopes)
+  assert_close(got, want, jnp.bfloat16, factor=2.0)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(d_qk=192), "over 128"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s * jnp.sqrt(jnp.abs(s) + 1.0)), "sqrt"),
+])
+def test_backward_obstacles_are_named(kwargs, reason, monkeypatch):
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  d_qk = kwargs.pop("d_qk", 128)
+  analysis = analyze_variant(**kwargs)
+  why = lowering.mosaic_backward_obstacle(analysis, jnp.bfloat16, d_qk, 128, interpret=False)
+  assert why is not None and reason in why
+
+
+def test_tile_captures_keep_the_backward_on_triton(monkeypatch):
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  bias = jnp.zeros((B, HQ, 64, 64))
+  analysis = analyze_variant(score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi, ki])
+  chosen = lowering.choose(None, analysis, jnp.bfloat16, 128, 128, False)
+  assert (chosen.forward, chosen.backward) == ("mosaic_gpu", "triton")
+  assert "[q, kv] tile" in chosen.describe()
+  plain = lowering.choose(None, analyze_variant(), jnp.bfloat16, 128, 128, False)
+  assert (plain.forward, plain.backward) == ("mosaic_gpu", "mosaic_gpu")
+  assert "differentiated" in plain.describe()
