@@ -37,7 +37,14 @@ from pallas_attn.vjp.parallel_backward import BackwardPlan, tile_gradients
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
-SUB = mb.WG_ROWS  # rows per streamed tile and per consumer warpgroup
+SUB = mb.WG_ROWS  # rows per consumer warpgroup and per streamed dk/dv tile
+DQ_STEP_KEYS = 64  # keys per streamed dq tile (at most block_k)
+SMEM_BYTES = 220 * 1024  # a Hopper block's shared memory, less a margin for barriers
+
+
+def _ring_stages(requested: int, fixed: int, per_stage: int) -> int:
+  """The ring depth: as asked, as far as shared memory holds it (at least 1)."""
+  return max(1, min(requested, (SMEM_BYTES - fixed) // per_stage))
 
 
 def _score_scale(plan: BackwardPlan) -> float:
@@ -69,13 +76,13 @@ def _split(plan: BackwardPlan, refs):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int,
-               num_q_blocks: int):
+               num_q_blocks: int, step_keys: int):
   rows_ref, cap_refs, list_refs, rest = _split(plan, refs)
   (dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, k_ready, v_ready, k_free,
    v_free) = rest
   dtype = q_ref.dtype
   consumers = plan.block_q // SUB
-  sub_steps = plan.block_k // SUB
+  sub_steps = plan.block_k // step_keys
   qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   num_plain = 0 if plan.analysis.mask_mod is not None else plan.seq_kv // plan.block_k
@@ -91,7 +98,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       for i in range(sub_steps):
         t = step * sub_steps + i
         slot = lax.rem(t, stages)
-        at = (b, pl.ds(kv_block * plan.block_k + i * SUB, SUB), kv_head)
+        at = (b, pl.ds(kv_block * plan.block_k + i * step_keys, step_keys), kv_head)
         for src, ring, ready, free in ((k_ref, k_smem, k_ready, k_free),
                                        (v_ref, v_smem, v_ready, v_free)):
           pl.when(t >= stages)(functools.partial(mb.plgpu.barrier_wait, free.at[slot]))
@@ -108,7 +115,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, SUB), h], q_tile, q_ready.at[wg])
     mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
     tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
-    q_idx = mb.tile_indices(q_start, (SUB, SUB), 0)
+    q_idx = mb.tile_indices(q_start, (SUB, step_keys), 0)
     rows = tuple(
         mb.plgpu.load(rows_ref, (b, h, n, pl.ds(q_start, SUB)),
                       layout=mb.plgpu.Layout.WGMMA.reduce(1), optimized=False)
@@ -119,7 +126,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     def visit(step, kv_block, masked: bool, dq):
       for i in range(sub_steps):
         slot = lax.rem(step * sub_steps + i, stages)
-        kv_start = kv_block * plan.block_k + i * SUB
+        kv_start = kv_block * plan.block_k + i * step_keys
         k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
         mb.plgpu.barrier_wait(k_ready.at[slot])
         mb.plgpu.barrier_wait(v_ready.at[slot])
@@ -129,14 +136,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
           mb.plgpu.wgmma(dp_ref, do_tile, mb.plgpu.transpose_ref(v_slot, (1, 0)))
           return s_ref[...], dp_ref[...]
 
-        acc = mb.plgpu.ACC((SUB, SUB), jnp.float32)
+        acc = mb.plgpu.ACC((SUB, step_keys), jnp.float32)
         s, dp = pl.run_scoped(products, acc, acc)
         mb.plgpu.barrier_arrive(v_free.at[slot])
-        kv_idx = mb.tile_indices(kv_start, (SUB, SUB), 1)
-        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, SUB)
-        row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, SUB), (0,)) for r in rows)
+        kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
+        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
+        row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
         _, ds = _gradients(plan, tile, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx), cap_refs,
-                           (kv_start, SUB))
+                           (kv_start, step_keys))
 
         def dq_update(acc_ref):
           mb.plgpu.wgmma(acc_ref, ds.astype(dtype), k_slot)
@@ -288,7 +295,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   batch, seq_q_pad, heads, d_qk = q.shape
   seq_kv_pad, kv_heads, d_v = k.shape[1], k.shape[2], v.shape[-1]
   num_q_blocks, num_kv_blocks = seq_q_pad // plan.block_q, seq_kv_pad // plan.block_k
-  stages = config.num_stages
+  item = q.dtype.itemsize
   transforms = mb.smem_transforms()
   smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
   row_inputs = () if rows is None else (rows,)
@@ -296,15 +303,19 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   kernel_plan = dataclasses.replace(plan, fast_math=False)  # approximations: compiler_params
 
   consumers = plan.block_q // SUB
+  step_keys = min(DQ_STEP_KEYS, plan.block_k)
+  stages = _ring_stages(config.num_stages, consumers * SUB * (d_qk + d_v) * item,
+                        step_keys * (d_qk + d_v) * item)
   q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
   dq = mb.plgpu.kernel(
-      functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks),
+      functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks,
+                        step_keys=step_keys),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=[
           smem((consumers, SUB, d_qk), q.dtype),
           smem((consumers, SUB, d_v), q.dtype),
-          smem((stages, SUB, d_qk), k.dtype),
-          smem((stages, SUB, d_v), v.dtype),
+          smem((stages, step_keys, d_qk), k.dtype),
+          smem((stages, step_keys, d_v), v.dtype),
           mb.plgpu.Barrier(num_barriers=consumers),
           mb.plgpu.Barrier(num_barriers=consumers),
           mb.plgpu.Barrier(num_barriers=stages),
@@ -320,6 +331,9 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   )(q, k, v, d_out, *row_inputs, *capture_arrays, *q_lists)
 
   consumers = plan.block_k // SUB
+  row_bytes = 0 if rows is None else rows.shape[2] * SUB * rows.dtype.itemsize
+  stages = _ring_stages(config.num_stages, consumers * SUB * (d_qk + d_v) * item,
+                        SUB * (d_qk + d_v) * item + row_bytes)
   kv_lists = () if block_mask is None else block_mask.kv_major(num_kv_blocks)
   rows_scratch = [] if rows is None else [mb.plgpu.SMEM((stages, rows.shape[2], SUB),
                                                         jnp.float32)]
