@@ -125,3 +125,22 @@ def test_tile_captures_keep_the_backward_on_triton(monkeypatch):
   plain = lowering.choose(None, analyze_variant(), jnp.bfloat16, 128, 128, False)
   assert (plain.forward, plain.backward) == ("mosaic_gpu", "mosaic_gpu")
   assert "differentiated" in plain.describe()
+
+
+@hopper
+@pytest.mark.gpu
+def test_lse_cotangent():
+  """A loss on the returned lse reaches the delta the dq kernel computes."""
+  q, k, v = qkv(batch=B, seq_q=300, seq_kv=300, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=5)
+  weights = random((B, HQ, 300), seed=6)
+
+  def loss(fn, q, k, v):
+    out, lse = fn(q, k, v, return_lse=True)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse * weights)
+
+  ours = jax.grad(lambda *x: loss(pa.attention, *x), argnums=(0, 1, 2))(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  refs = jax.grad(lambda *x: loss(pa.attention_reference, *x), argnums=(0, 1, 2))(*f32)
+  for g, r in zip(ours, refs):
+    assert_close(g, r, jnp.bfloat16, factor=2.0)

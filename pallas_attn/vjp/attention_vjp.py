@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn.kernels import lowering, parallel_forward, tiles
-from pallas_attn.kernels.online import LOG2E, run_row_program
+from pallas_attn.kernels.online import run_row_program
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.rownorm import RowNorm
 from pallas_attn.vjp import parallel_backward
-from pallas_attn.vjp.parallel_backward import GATHER, KEY, ROW, TILE
+from pallas_attn.vjp.parallel_backward import GATHER, KEY, ROW, TILE, softmax_lse2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +168,10 @@ def _core_bwd(spec, res: _Residuals, cotangents):
   plan = parallel_backward.BackwardPlan(
       **_plan_fields(spec, cfg, operands, block_mask is not None, res.sinks is not None),
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
-  rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
+  if template is parallel_backward:
+    rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
+  else:
+    rows = template.row_inputs(analysis.rownorm, res.out, res.stat, d_stat)
   dq, dk, dv, partials = template.backward(
       res.q, res.k, res.v, d_out, rows, capture_arrays, block_mask, plan=plan, config=cfg,
       interpret=spec.interpret)
@@ -189,15 +192,24 @@ def _core_bwd(spec, res: _Residuals, cotangents):
   score_grads = tuple(None if g is None else g.astype(jnp.result_type(c))
                       for g, c in zip(grads, score_consts))
   return (dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None,
-          None if res.sinks is None else _sink_gradient(res.sinks, res.stat, rows, spec.seq_q))
+          None if res.sinks is None else _sink_gradient(res.sinks, res.stat,
+                                                        _delta(res.out, d_out, d_stat),
+                                                        spec.seq_q))
 
 
-def _sink_gradient(sinks, lse, rows, seq_q: int):
+def _sink_gradient(sinks, lse, delta, seq_q: int):
   """d loss / d sinks `[Hq]`: a sink is a key of value 0, so its score
   gradient is `p_sink * (0 - delta)` with `p_sink = exp(sink - lse)`."""
-  delta = rows[:, :, 1, :seq_q]
+  delta = delta[:, :, :seq_q]
   p_sink = jnp.exp(sinks[None, :, None].astype(jnp.float32) - lse[:, :, :seq_q])
   return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+
+
+def _delta(out, d_out, d_stat):
+  """`rowsum(dO * O)` `[B, H, Sq_pad]`, minus the lse cotangent when given."""
+  delta = jnp.transpose(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1),
+                        (0, 2, 1))
+  return delta if d_stat is None else delta - d_stat
 
 
 def row_terms(rownorm: RowNorm, out, d_out, stat, row_stats, d_stat):
@@ -212,13 +224,9 @@ def row_terms(rownorm: RowNorm, out, d_out, stat, row_stats, d_stat):
   """
   if rownorm.kind == "elementwise":
     return None
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  delta = jnp.transpose(delta, (0, 2, 1))
   if rownorm.kind == "softmax":
-    lse2 = jnp.where(jnp.isneginf(stat), jnp.inf, stat * LOG2E)
-    if d_stat is not None:
-      delta = delta - d_stat
-    return jnp.stack([lse2, delta], axis=2)
+    return jnp.stack([softmax_lse2(stat), _delta(out, d_out, d_stat)], axis=2)
+  delta = _delta(out, d_out, None)
   num_stats = len(rownorm.stats)
   stats = tuple(row_stats[:, :, n] for n in range(num_stats))
 

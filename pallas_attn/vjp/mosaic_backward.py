@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import AttentionConfig
-from pallas_attn.vjp.parallel_backward import BackwardPlan, tile_gradients
+from pallas_attn.vjp.parallel_backward import BackwardPlan, softmax_lse2, tile_gradients
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
@@ -62,11 +62,21 @@ def _gradients(plan, tile, s, dp, rows, keep, position, cap_refs, window):
   return weights, ds
 
 
-def _split(plan: BackwardPlan, refs):
-  """(row-term ref or None, capture refs, block-mask list refs or None, rest)."""
+def row_inputs(rownorm, out, stat, d_stat):
+  """What the dq kernel derives the softmax row terms from: (lse in log2
+  units, the output, the lse cotangent or None); None for elementwise
+  rownorms. The dq kernel computes `delta = rowsum(dO * O) - d_stat` from
+  the tiles it loads anyway and writes both terms for the dk/dv kernel."""
+  if rownorm.kind == "elementwise":
+    return None
+  return softmax_lse2(stat), out, d_stat
+
+
+def _split(plan: BackwardPlan, refs, num_row_refs: int):
+  """(row refs or None, capture refs, block-mask list refs or None, rest)."""
   rows_ref = None
   if plan.num_row_terms:
-    rows_ref, refs = refs[0], refs[1:]
+    rows_ref, refs = refs[:num_row_refs], refs[num_row_refs:]
   n_caps = len(plan.operands)
   cap_refs, refs = refs[:n_caps], refs[n_caps:]
   list_refs = None
@@ -76,10 +86,13 @@ def _split(plan: BackwardPlan, refs):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int,
-               num_q_blocks: int, step_keys: int):
-  rows_ref, cap_refs, list_refs, rest = _split(plan, refs)
-  (dq_ref, q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, k_ready, v_ready, k_free,
-   v_free) = rest
+               num_q_blocks: int, step_keys: int, num_row_refs: int):
+  row_refs, cap_refs, list_refs, rest = _split(plan, refs, num_row_refs)
+  dq_ref, *rest = rest
+  if row_refs is not None:
+    rows_out_ref, *rest = rest
+    o_smem, rows_smem, o_ready, *rest = rest
+  (q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, k_ready, v_ready, k_free, v_free) = rest
   dtype = q_ref.dtype
   consumers = plan.block_q // SUB
   sub_steps = plan.block_k // step_keys
@@ -116,12 +129,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
     tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
     q_idx = mb.tile_indices(q_start, (SUB, step_keys), 0)
-    rows = tuple(
-        mb.plgpu.load(rows_ref, (b, h, n, pl.ds(q_start, SUB)),
-                      layout=mb.plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        for n in range(plan.num_row_terms))
+    q_rows = pl.ds(q_start, SUB)
+    if row_refs is not None:
+      lse2_ref, out_ref, *d_stat_ref = row_refs
+      mb.plgpu.copy_gmem_to_smem(out_ref.at[b, q_rows, h], o_smem.at[wg], o_ready.at[wg])
     mb.plgpu.barrier_wait(q_ready.at[wg])
     mb.plgpu.barrier_wait(do_ready.at[wg])
+    rows = ()
+    if row_refs is not None:  # softmax: lse2 and delta = rowsum(dO * O) - d_stat
+      row_layout = mb.plgpu.Layout.WGMMA.reduce(1)
+      lse2 = mb.plgpu.load(lse2_ref.at[b, h, q_rows], (), layout=row_layout, optimized=False)
+      mb.plgpu.barrier_wait(o_ready.at[wg])
+      tile_of = lambda ref: mb.plgpu.load(ref, (), layout=mb.plgpu.Layout.WGMMA)
+      delta = jnp.sum(tile_of(o_smem.at[wg]).astype(jnp.float32)
+                      * tile_of(do_tile).astype(jnp.float32), axis=1)
+      if d_stat_ref:
+        delta = delta - mb.plgpu.load(d_stat_ref[0].at[b, h, q_rows], (), layout=row_layout,
+                                      optimized=False)
+      rows = (lse2, delta)
+      rows_smem.at[wg, 0][...] = lse2
+      rows_smem.at[wg, 1][...] = delta
+      mb.plgpu.commit_smem()
+      mb.plgpu.copy_smem_to_gmem(rows_smem.at[wg], rows_out_ref.at[b, h, :, q_rows])
 
     def visit(step, kv_block, masked: bool, dq):
       for i in range(sub_steps):
@@ -160,7 +189,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int):
-  rows_ref, cap_refs, list_refs, rest = _split(plan, refs)
+  rows_ref, cap_refs, list_refs, rest = _split(plan, refs, 1)
+  rows_ref = None if rows_ref is None else rows_ref[0]
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, *rest) = rest
   rows_smem = rest.pop(0) if rows_ref is not None else None
   k_ready, v_ready, q_ready, do_ready, rows_ready, free = rest
@@ -298,45 +328,50 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   item = q.dtype.itemsize
   transforms = mb.smem_transforms()
   smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
-  row_inputs = () if rows is None else (rows,)
   params = mb.compiler_params(plan.fast_math)
   kernel_plan = dataclasses.replace(plan, fast_math=False)  # approximations: compiler_params
+  barriers = lambda count, arrivals=1: mb.plgpu.Barrier(num_arrivals=arrivals,
+                                                        num_barriers=count)
 
   consumers = plan.block_q // SUB
   step_keys = min(DQ_STEP_KEYS, plan.block_k)
-  stages = _ring_stages(config.num_stages, consumers * SUB * (d_qk + d_v) * item,
-                        step_keys * (d_qk + d_v) * item)
+  fixed = consumers * SUB * (d_qk + d_v) * item
+  dq_rows, row_outputs, row_scratch = (), [], []
+  if rows is not None:  # softmax: the kernel writes [B, H, 2, Sq_pad] (lse2, delta)
+    lse2, out, d_stat = rows
+    dq_rows = (lse2, out) + (() if d_stat is None else (d_stat,))
+    row_outputs = [jax.ShapeDtypeStruct((batch, heads, 2, seq_q_pad), jnp.float32)]
+    row_scratch = [smem((consumers, SUB, d_v), out.dtype),
+                   mb.plgpu.SMEM((consumers, 2, SUB), jnp.float32), barriers(consumers)]
+    fixed += consumers * SUB * (d_v * out.dtype.itemsize + 2 * 4)
+  stages = _ring_stages(config.num_stages, fixed, step_keys * (d_qk + d_v) * item)
   q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
-  dq = mb.plgpu.kernel(
+  dq, *row_terms = mb.plgpu.kernel(
       functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks,
-                        step_keys=step_keys),
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                        step_keys=step_keys, num_row_refs=len(dq_rows)),
+      out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *row_outputs],
       scratch_types=[
+          *row_scratch,
           smem((consumers, SUB, d_qk), q.dtype),
           smem((consumers, SUB, d_v), q.dtype),
           smem((stages, step_keys, d_qk), k.dtype),
           smem((stages, step_keys, d_v), v.dtype),
-          mb.plgpu.Barrier(num_barriers=consumers),
-          mb.plgpu.Barrier(num_barriers=consumers),
-          mb.plgpu.Barrier(num_barriers=stages),
-          mb.plgpu.Barrier(num_barriers=stages),
-          mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
-          mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+          barriers(consumers), barriers(consumers), barriers(stages), barriers(stages),
+          barriers(stages, consumers), barriers(stages, consumers),
       ],
       grid=(num_q_blocks, batch, heads),
       grid_names=("q", "b", "h"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=params,
-  )(q, k, v, d_out, *row_inputs, *capture_arrays, *q_lists)
+  )(q, k, v, d_out, *dq_rows, *capture_arrays, *q_lists)
 
   consumers = plan.block_k // SUB
-  row_bytes = 0 if rows is None else rows.shape[2] * SUB * rows.dtype.itemsize
+  row_bytes = 2 * SUB * 4 if row_terms else 0
   stages = _ring_stages(config.num_stages, consumers * SUB * (d_qk + d_v) * item,
                         SUB * (d_qk + d_v) * item + row_bytes)
   kv_lists = () if block_mask is None else block_mask.kv_major(num_kv_blocks)
-  rows_scratch = [] if rows is None else [mb.plgpu.SMEM((stages, rows.shape[2], SUB),
-                                                        jnp.float32)]
+  rows_scratch = [mb.plgpu.SMEM((stages, 2, SUB), jnp.float32)] if row_terms else []
   dk, dv = mb.plgpu.kernel(
       functools.partial(_dkv_kernel, plan=kernel_plan, stages=stages),
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -346,17 +381,13 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           smem((stages, SUB, d_qk), q.dtype),
           smem((stages, SUB, d_v), q.dtype),
           *rows_scratch,
-          mb.plgpu.Barrier(num_barriers=consumers),
-          mb.plgpu.Barrier(num_barriers=consumers),
-          mb.plgpu.Barrier(num_barriers=stages),
-          mb.plgpu.Barrier(num_barriers=stages),
-          mb.plgpu.Barrier(num_barriers=stages),
-          mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
+          barriers(consumers), barriers(consumers), barriers(stages), barriers(stages),
+          barriers(stages), barriers(stages, consumers),
       ],
       grid=(num_kv_blocks, batch, kv_heads),
       grid_names=("kv", "b", "h"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=params,
-  )(q, k, v, d_out, *row_inputs, *capture_arrays, *kv_lists)
+  )(q, k, v, d_out, *row_terms, *capture_arrays, *kv_lists)
   return dq, dk, dv, (None,) * len(plan.grad_kinds)

@@ -57,6 +57,11 @@ ROW, TILE, KEY, GATHER = "row", "tile", "key", "gather"
 SCATTER_WINDOW = 64
 
 
+def softmax_lse2(stat):
+  """The lse in log2 units, +inf for empty rows (so that their weights are 0)."""
+  return jnp.where(jnp.isneginf(stat), jnp.inf, stat * LOG2E)
+
+
 def gradient_kind(axes) -> str:
   """'gather' (a computed index, dq pass), 'tile' (addressed by q and kv,
   dq pass), 'key' (kv only, dk/dv pass) or 'row' (q only or neither, dq pass)."""
