@@ -125,11 +125,12 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       forward uses the block mask's block_q and block_k; the backward keeps
       its own, with tile lists re-tiled from the same mask.
     interpret: None runs Pallas interpret mode on CPU and compiled kernels on GPU.
-    implementation: the forward's lowering. None: Mosaic GPU (the Hopper
-      template: TMA, wgmma, warp specialization) on sm_90+ GPUs when it can
-      lower the variant, else Triton (`pallas-attn explain` says why);
-      "mosaic_gpu" or "triton" to insist (an error if it cannot run). The
-      backward runs on Triton.
+    implementation: the passes' lowering. None: Mosaic GPU (the Hopper
+      templates: TMA, wgmma, warp specialization) on sm_90+ GPUs for each
+      pass that it can lower, else Triton (`pallas-attn explain` says why;
+      the backward also needs head dims up to 128 and takes Triton's passes
+      when a captured array is differentiated); "mosaic_gpu" or "triton" to
+      insist (an error if the forward cannot run).
     return_lse: also return the row statistic `[B, Hq, Sq]` float32:
       log-sum-exp for softmax (the sink's term included), the divisor h(stats) for normalized
       rownorms, None for elementwise rownorms.

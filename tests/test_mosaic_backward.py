@@ -61,9 +61,11 @@ def test_variants_ragged_gqa(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_q,seq_kv,d_qk,d_v,kv_heads", [
     (200, 520, 64, 64, 1), (520, 200, 128, 128, 4), (300, 300, 128, 64, 2),
-    (1, 77, 128, 128, 1), (129, 129, 96, 32, 1), (64, 64, 64, 64, 2), (1000, 1000, 128, 128, 1)])
+    (1, 77, 128, 128, 1), (129, 129, 96, 32, 1), (64, 64, 64, 64, 2), (1000, 1000, 128, 128, 1),
+    (300, 300, 256, 256, 2), (200, 333, 192, 128, 1)])
 @pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
 def test_shapes(seq_q, seq_kv, d_qk, d_v, kv_heads, masked):
+  """Wide heads run the Mosaic forward with Triton's backward passes."""
   q, k, v = qkv(batch=1, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=kv_heads, d_qk=d_qk,
                 d_v=d_v, dtype=jnp.bfloat16, seed=seq_q)
   kw = variants.causal(seq_q=seq_q, seq_kv=seq_kv).kwargs() if masked else {}
