@@ -153,6 +153,29 @@ def block_visits(list_refs, b, h, block, num_plain: int, num_blocks: int):
   return (num_plain, lambda j: j), (num_blocks - num_plain, lambda j: num_plain + j)
 
 
+def refill(step, stages: int, free, copies):
+  """Producer side of a ring of `stages` slots at `step`: from the second
+  lap on, waits until the consumers freed the slot (`free`: one barrier or
+  None for one per copy), then starts each `(source, ring, ready)` TMA copy."""
+  slot = lax.rem(step, stages)
+  for n, (source, ring, ready) in enumerate(copies):
+    barrier = free[n] if isinstance(free, (tuple, list)) else (free if n == 0 else None)
+    if barrier is not None:
+      pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, barrier.at[slot]))
+    plgpu.copy_gmem_to_smem(source, ring.at[slot], ready.at[slot])
+
+
+def products(pairs, shape):
+  """`a @ b^T` for each `(a, b)` pair of shared-memory tiles, issued
+  together on `shape` float32 accumulators and waited for once."""
+  def issue(*acc_refs):
+    for acc_ref, (a, b) in zip(acc_refs, pairs):
+      plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
+    return tuple(acc_ref[...] for acc_ref in acc_refs)
+  acc = plgpu.ACC(shape, jnp.float32)
+  return pl.run_scoped(issue, *(acc,) * len(pairs))
+
+
 def fold_visits(visits, body, carry, step=0):
   """Folds `body(step, block, masked, carry)` over the unmasked visits, then
   the masked ones, `step` counting visits from `step`. Returns (carry, the

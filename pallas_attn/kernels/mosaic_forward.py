@@ -76,18 +76,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
 
     def load(step, kv_block, masked, carry):
       del masked
-      slot = lax.rem(step, stages)
       rows_kv = (b, pl.ds(kv_block * bk, bk), kv_head)
-
-      @pl.when(step >= stages)
-      def _():
-        mb.plgpu.barrier_wait(k_free.at[slot])
-      mb.plgpu.copy_gmem_to_smem(k_ref.at[rows_kv], k_smem.at[slot], k_ready.at[slot])
-
-      @pl.when(step >= stages)
-      def _():
-        mb.plgpu.barrier_wait(v_free.at[slot])
-      mb.plgpu.copy_gmem_to_smem(v_ref.at[rows_kv], v_smem.at[slot], v_ready.at[slot])
+      mb.refill(step, stages, (k_free, v_free), ((k_ref.at[rows_kv], k_smem, k_ready),
+                                                 (v_ref.at[rows_kv], v_smem, v_ready)))
       return carry
 
     mb.fold_visits(visits, load, None)

@@ -109,13 +109,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     def load(step, kv_block, masked, carry):
       del masked
       for i in range(sub_steps):
-        t = step * sub_steps + i
-        slot = lax.rem(t, stages)
         at = (b, pl.ds(kv_block * plan.block_k + i * step_keys, step_keys), kv_head)
-        for src, ring, ready, free in ((k_ref, k_smem, k_ready, k_free),
-                                       (v_ref, v_smem, v_ready, v_free)):
-          pl.when(t >= stages)(functools.partial(mb.plgpu.barrier_wait, free.at[slot]))
-          mb.plgpu.copy_gmem_to_smem(src.at[at], ring.at[slot], ready.at[slot])
+        mb.refill(step * sub_steps + i, stages, (k_free, v_free),
+                  ((k_ref.at[at], k_smem, k_ready), (v_ref.at[at], v_smem, v_ready)))
       return carry
 
     mb.fold_visits(visits, load, None)
@@ -160,13 +156,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
         mb.plgpu.barrier_wait(k_ready.at[slot])
         mb.plgpu.barrier_wait(v_ready.at[slot])
 
-        def products(s_ref, dp_ref):
-          mb.plgpu.wgmma(s_ref, q_tile, mb.plgpu.transpose_ref(k_slot, (1, 0)))
-          mb.plgpu.wgmma(dp_ref, do_tile, mb.plgpu.transpose_ref(v_slot, (1, 0)))
-          return s_ref[...], dp_ref[...]
-
-        acc = mb.plgpu.ACC((SUB, step_keys), jnp.float32)
-        s, dp = pl.run_scoped(products, acc, acc)
+        s, dp = mb.products(((q_tile, k_slot), (do_tile, v_slot)), (SUB, step_keys))
         mb.plgpu.barrier_arrive(v_free.at[slot])
         kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
         keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
@@ -226,16 +216,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
       def load(step, q_block, masked, carry):
         del masked
         for i in range(sub_steps):
-          t = step * sub_steps + i
-          slot = lax.rem(t, stages)
           q_rows = pl.ds(q_block * plan.block_q + i * SUB, SUB)
-          pl.when(t >= stages)(functools.partial(mb.plgpu.barrier_wait, free.at[slot]))
-          mb.plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h], q_smem.at[slot], q_ready.at[slot])
-          mb.plgpu.copy_gmem_to_smem(do_ref.at[b, q_rows, h], do_smem.at[slot],
-                                     do_ready.at[slot])
+          copies = [(q_ref.at[b, q_rows, h], q_smem, q_ready),
+                    (do_ref.at[b, q_rows, h], do_smem, do_ready)]
           if rows_ref is not None:
-            mb.plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, q_rows], rows_smem.at[slot],
-                                       rows_ready.at[slot])
+            copies.append((rows_ref.at[b, h, :, q_rows], rows_smem, rows_ready))
+          mb.refill(step * sub_steps + i, stages, free, copies)
         return carry
 
       return mb.fold_visits(visits_of(h), load, carry, step)
@@ -267,13 +253,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
           mb.plgpu.barrier_wait(q_ready.at[slot])
           mb.plgpu.barrier_wait(do_ready.at[slot])
 
-          def products(s_ref, dp_ref):
-            mb.plgpu.wgmma(s_ref, k_tile, mb.plgpu.transpose_ref(q_slot, (1, 0)))
-            mb.plgpu.wgmma(dp_ref, v_tile, mb.plgpu.transpose_ref(do_slot, (1, 0)))
-            return s_ref[...], dp_ref[...]
-
-          tile_acc = mb.plgpu.ACC((SUB, SUB), jnp.float32)
-          s, dp = pl.run_scoped(products, tile_acc, tile_acc)
+          s, dp = mb.products(((k_tile, q_slot), (v_tile, do_slot)), (SUB, SUB))
           rows = ()
           if rows_ref is not None:
             mb.plgpu.barrier_wait(rows_ready.at[slot])
