@@ -11,7 +11,7 @@ from pallas_attn import variants
 from pallas_attn.kernels import lowering, mosaic_backend
 from pallas_attn.spec.analysis import analyze_variant
 from conftest import assert_close, qkv, random
-from test_mosaic_forward import B, HKV, HQ, HOPPER, _variant
+from test_mosaic_forward import B, HKV, HQ, HOPPER, VARIANTS, _variant
 
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
 
@@ -44,8 +44,7 @@ def _lowering(kw, d_qk=128, d_v=128):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["vanilla", "causal", "softcap", "alibi", "window", "documents",
-                                  "sigmoid", "sinks", "key_bias", "row_bias"])
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "tile_bias"])  # tiles: Triton's
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 def test_variants_ragged_gqa(name, dtype):
   seq = 333

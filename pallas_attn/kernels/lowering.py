@@ -88,9 +88,25 @@ def mosaic_obstacle(analysis: VariantAnalysis, dtype, d_qk: int, d_v: int,
   return None
 
 
+_DERIVATIVE_OBSTACLES: dict = {}  # analysis fingerprint -> _derivative_obstacle
+_CACHE_MAX = 64
+
+
 def _derivative_obstacle(analysis: VariantAnalysis) -> str | None:
   """Whether the tile gradients (score_mod, then the rownorm's weights,
-  differentiated in the score) use primitives Mosaic GPU does not lower."""
+  differentiated in the score), as the backward kernels bind them
+  (`mosaic_backend.lowerable`), use primitives Mosaic GPU does not lower.
+  Cached by the analysis' fingerprint: tracing the gradient costs a few ms,
+  more than the rest of a call's host work."""
+  key = analysis.fingerprint()
+  if key not in _DERIVATIVE_OBSTACLES:
+    if len(_DERIVATIVE_OBSTACLES) >= _CACHE_MAX:
+      _DERIVATIVE_OBSTACLES.pop(next(iter(_DERIVATIVE_OBSTACLES)))
+    _DERIVATIVE_OBSTACLES[key] = _traced_derivative_obstacle(analysis)
+  return _DERIVATIVE_OBSTACLES[key]
+
+
+def _traced_derivative_obstacle(analysis: VariantAnalysis) -> str | None:
   online = OnlineRowNorm(analysis.rownorm, True, False)
   prog = analysis.score_mod
 
@@ -100,26 +116,26 @@ def _derivative_obstacle(analysis: VariantAnalysis) -> str | None:
       s = jex_core.jaxpr_as_fun(closed)(s, 0, 0, 0, 0)[0]
     return online.weights(s)
 
-  score = jnp.float32(0.5)
-  jaxpr = jax.make_jaxpr(lambda s: jax.vjp(weights, s)[1](jnp.ones_like(weights(s))))(score)
-  used = sorted({eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
-                - mosaic_backend.PRIMITIVES - _AUTODIFF_PRIMITIVES)
+  def gradient(s):
+    return mosaic_backend.lowerable(lambda: jax.vjp(weights, s)[1](jnp.ones_like(weights(s))))
+
+  jaxpr = jax.make_jaxpr(gradient)(jnp.float32(0.5))
+  used = sorted({eqn.primitive.name for eqn in jaxpr.jaxpr.eqns} - mosaic_backend.PRIMITIVES)
   if used:
     return f"the tile gradients use {', '.join(used)}, which the Mosaic GPU lowering lacks"
   return None
-
-
-# What autodiff adds that mosaic_backend.lowerable rewrites or inlines.
-_AUTODIFF_PRIMITIVES = frozenset(mosaic_backend.AUTODIFF_REWRITES) | {"pjit", "jit"}
 
 
 def mosaic_backward_obstacle(analysis: VariantAnalysis, dtype, d_qk: int, d_v: int,
                              interpret: bool) -> str | None:
   """Why the Mosaic GPU backward cannot run this call, or None (calls that
   differentiate a captured array still take the Triton passes)."""
-  why = mosaic_obstacle(analysis, dtype, d_qk, d_v, interpret)
-  if why:
-    return why
+  return (mosaic_obstacle(analysis, dtype, d_qk, d_v, interpret)
+          or _backward_obstacle(analysis, d_qk, d_v))
+
+
+def _backward_obstacle(analysis: VariantAnalysis, d_qk: int, d_v: int) -> str | None:
+  """What keeps a call the Mosaic forward runs from the Mosaic backward."""
   if max(padded_head_dim(d, MOSAIC_GPU) for d in (d_qk, d_v)) > MAX_MOSAIC_BACKWARD_HEAD_DIM:
     return (f"head dims ({d_qk}, {d_v}) over {MAX_MOSAIC_BACKWARD_HEAD_DIM}: the dk/dv "
             "accumulators outgrow a warpgroup's registers")
@@ -148,7 +164,7 @@ def choose(implementation: str | None, analysis: VariantAnalysis, dtype, d_qk: i
   if why is not None and implementation == MOSAIC_GPU:
     raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {why}. Pass "
                      "implementation=None to fall back to Triton.")
-  backward_why = why or mosaic_backward_obstacle(analysis, dtype, d_qk, d_v, interpret)
+  backward_why = why or _backward_obstacle(analysis, d_qk, d_v)
   if backward_why is None and isinstance(bwd_config, AttentionConfig):
     backward_why = mosaic_backward_config_error(bwd_config)
   return Lowering(TRITON if why else MOSAIC_GPU, why or "",

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels.online import RowLayout
-from pallas_attn.spec.trace import is_literal
+from pallas_attn.spec.trace import eval_inlined
 
 try:  # absent or broken on some JAX builds; `unavailable` says so
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -143,8 +143,9 @@ def block_visits(list_refs, b, h, block, num_plain: int, num_blocks: int):
   """((count, j -> block) of the unmasked visits, the same of the masked
   ones) of one program's `block`: from its rows of a block mask's lists
   (`[Bm, Hm, n, ...]` GMEM refs, Bm and Hm 1 where the mask does not depend
-  on b or h), else blocks `[0, num_plain)` unmasked and the rest masked."""
-  if list_refs is not None:
+  on b or h; empty without a block mask), else blocks `[0, num_plain)`
+  unmasked and the rest masked."""
+  if list_refs:
     partial_num, partial_idx, full_num, full_idx = list_refs
     bb = b if partial_num.shape[0] > 1 else 0
     hh = h if partial_num.shape[1] > 1 else 0
@@ -153,15 +154,15 @@ def block_visits(list_refs, b, h, block, num_plain: int, num_blocks: int):
   return (num_plain, lambda j: j), (num_blocks - num_plain, lambda j: num_plain + j)
 
 
-def refill(step, stages: int, free, copies):
-  """Producer side of a ring of `stages` slots at `step`: from the second
-  lap on, waits until the consumers freed the slot (`free`: one barrier or
-  None for one per copy), then starts each `(source, ring, ready)` TMA copy."""
+def refill(step, stages: int, copies):
+  """Producer side of a ring of `stages` slots at `step`: for each
+  `(source, ring, ready, free)`, from the second lap on, waits until the
+  consumers freed the slot (`free` None: an earlier copy's wait covers it),
+  then starts the TMA copy of `source` into the slot."""
   slot = lax.rem(step, stages)
-  for n, (source, ring, ready) in enumerate(copies):
-    barrier = free[n] if isinstance(free, (tuple, list)) else (free if n == 0 else None)
-    if barrier is not None:
-      pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, barrier.at[slot]))
+  for source, ring, ready, free in copies:
+    if free is not None:
+      pl.when(step >= stages)(functools.partial(plgpu.barrier_wait, free.at[slot]))
     plgpu.copy_gmem_to_smem(source, ring.at[slot], ready.at[slot])
 
 
@@ -200,26 +201,8 @@ AUTODIFF_REWRITES = {
 def lowerable(fn):
   """`fn()` with the primitives of AUTODIFF_REWRITES bound as Mosaic GPU
   lowers them: `fn` is traced to a jaxpr and evaluated equation by equation
-  (jit calls inlined). For autodiff inside a kernel (the backward's tile
-  gradients)."""
+  (call primitives inlined). For autodiff inside a kernel (the backward's
+  tile gradients) and for checking what such a kernel will bind."""
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)()
-  outs = _evaluate(closed.jaxpr, closed.consts, [])
+  outs = eval_inlined(closed.jaxpr, closed.consts, overrides=AUTODIFF_REWRITES)
   return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-
-def _evaluate(jaxpr, consts, args):
-  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-  read = lambda v: v.val if is_literal(v) else env[v]
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if name in AUTODIFF_REWRITES:
-      outs = [AUTODIFF_REWRITES[name](*invals)]
-    elif name in ("pjit", "jit"):
-      inner = eqn.params["jaxpr"]
-      outs = _evaluate(inner.jaxpr, inner.consts, invals)
-    else:
-      outs = eqn.primitive.bind(*invals, **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]

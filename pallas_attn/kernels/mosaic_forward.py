@@ -77,8 +77,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     def load(step, kv_block, masked, carry):
       del masked
       rows_kv = (b, pl.ds(kv_block * bk, bk), kv_head)
-      mb.refill(step, stages, (k_free, v_free), ((k_ref.at[rows_kv], k_smem, k_ready),
-                                                 (v_ref.at[rows_kv], v_smem, v_ready)))
+      mb.refill(step, stages, ((k_ref.at[rows_kv], k_smem, k_ready, k_free),
+                               (v_ref.at[rows_kv], v_smem, v_ready, v_free)))
       return carry
 
     mb.fold_visits(visits, load, None)

@@ -103,7 +103,11 @@ def _user_source(eqn):
     return contextlib.nullcontext()
 
 
-def _eval_inlined(jaxpr, consts, *args):
+def eval_inlined(jaxpr, consts, *args, overrides=None):
+  """Evaluates `jaxpr` by binding its primitives in the current trace, call
+  primitives (jit, custom_jvp, ...) inlined; `overrides` maps primitive
+  names to functions bound instead."""
+  overrides = overrides or {}
   env = {}
 
   def read(v):
@@ -121,7 +125,9 @@ def _eval_inlined(jaxpr, consts, *args):
       sub_jaxpr, sub_consts = (sub.jaxpr, sub.consts) if hasattr(sub, "jaxpr") else (sub, ())
       if eqn.primitive.name.startswith("custom_vjp"):
         invals = invals[len(invals) - len(sub_jaxpr.invars):]
-      outs = _eval_inlined(sub_jaxpr, sub_consts, *invals)
+      outs = eval_inlined(sub_jaxpr, sub_consts, *invals, overrides=overrides)
+    elif eqn.primitive.name in overrides:
+      outs = [overrides[eqn.primitive.name](*invals)]
     else:
       with _user_source(eqn):
         outs = eqn.primitive.bind(*invals, **eqn.params)
@@ -156,7 +162,7 @@ def trace(fn, avals, *, name: str, allowed: frozenset) -> TracedFn:
     raise VariantError(f"{name} failed to trace{_user_frame(e)}: {e}") from e
   check_primitives(closed.jaxpr, allowed, name)
   flat = jax.make_jaxpr(
-      lambda *a: _eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
+      lambda *a: eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
   return TracedFn(name=name, jaxpr=flat.jaxpr, consts=tuple(flat.consts))
 
 

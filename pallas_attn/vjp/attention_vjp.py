@@ -170,8 +170,10 @@ def _core_bwd(spec, res: _Residuals, cotangents):
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
   if template is parallel_backward:
     rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
-  else:
+    delta = None if res.sinks is None else rows[:, :, 1]  # sinks: softmax's (lse2, delta)
+  else:  # the dq kernel computes delta
     rows = template.row_inputs(analysis.rownorm, res.out, res.stat, d_stat)
+    delta = None if res.sinks is None else _delta(res.out, d_out, d_stat)
   dq, dk, dv, partials = template.backward(
       res.q, res.k, res.v, d_out, rows, capture_arrays, block_mask, plan=plan, config=cfg,
       interpret=spec.interpret)
@@ -192,9 +194,7 @@ def _core_bwd(spec, res: _Residuals, cotangents):
   score_grads = tuple(None if g is None else g.astype(jnp.result_type(c))
                       for g, c in zip(grads, score_consts))
   return (dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None,
-          None if res.sinks is None else _sink_gradient(res.sinks, res.stat,
-                                                        _delta(res.out, d_out, d_stat),
-                                                        spec.seq_q))
+          None if res.sinks is None else _sink_gradient(res.sinks, res.stat, delta, spec.seq_q))
 
 
 def _sink_gradient(sinks, lse, delta, seq_q: int):

@@ -31,9 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import mosaic_backend as mb
-from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import AttentionConfig
-from pallas_attn.vjp.parallel_backward import BackwardPlan, softmax_lse2, tile_gradients
+from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2, split_inputs,
+                                              tile_gradients)
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
@@ -47,17 +47,13 @@ def _ring_stages(requested: int, fixed: int, per_stage: int) -> int:
   return max(1, min(requested, (SMEM_BYTES - fixed) // per_stage))
 
 
-def _score_scale(plan: BackwardPlan) -> float:
-  return plan.scale * LOG2E if plan.folds_log2 else plan.scale
-
-
 def _zeros(rows: int, cols: int):
   return mb.as_tile(jnp.zeros((rows, cols), jnp.float32))
 
 
 def _gradients(plan, tile, s, dp, rows, keep, position, cap_refs, window):
   """(weights, ds) of one tile, autodiff's primitives bound as Mosaic lowers them."""
-  weights, ds, _, _ = tile_gradients(plan, tile, s * _score_scale(plan), dp, rows, keep,
+  weights, ds, _, _ = tile_gradients(plan, tile, s * plan.score_scale, dp, rows, keep,
                                      position, cap_refs, window, (), lower=mb.lowerable)
   return weights, ds
 
@@ -72,24 +68,11 @@ def row_inputs(rownorm, out, stat, d_stat):
   return softmax_lse2(stat), out, d_stat
 
 
-def _split(plan: BackwardPlan, refs, num_row_refs: int):
-  """(row refs or None, capture refs, block-mask list refs or None, rest)."""
-  rows_ref = None
-  if plan.num_row_terms:
-    rows_ref, refs = refs[:num_row_refs], refs[num_row_refs:]
-  n_caps = len(plan.operands)
-  cap_refs, refs = refs[:n_caps], refs[n_caps:]
-  list_refs = None
-  if plan.block_sparse:
-    list_refs, refs = refs[:4], refs[4:]
-  return rows_ref, cap_refs, list_refs, refs
-
-
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int,
                num_q_blocks: int, step_keys: int, num_row_refs: int):
-  row_refs, cap_refs, list_refs, rest = _split(plan, refs, num_row_refs)
+  row_refs, cap_refs, list_refs, rest = split_inputs(plan, refs, num_row_refs)
   dq_ref, *rest = rest
-  if row_refs is not None:
+  if row_refs:
     rows_out_ref, *rest = rest
     o_smem, rows_smem, o_ready, *rest = rest
   (q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, k_ready, v_ready, k_free, v_free) = rest
@@ -110,8 +93,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       del masked
       for i in range(sub_steps):
         at = (b, pl.ds(kv_block * plan.block_k + i * step_keys, step_keys), kv_head)
-        mb.refill(step * sub_steps + i, stages, (k_free, v_free),
-                  ((k_ref.at[at], k_smem, k_ready), (v_ref.at[at], v_smem, v_ready)))
+        mb.refill(step * sub_steps + i, stages, ((k_ref.at[at], k_smem, k_ready, k_free),
+                                                 (v_ref.at[at], v_smem, v_ready, v_free)))
       return carry
 
     mb.fold_visits(visits, load, None)
@@ -126,13 +109,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
     q_idx = mb.tile_indices(q_start, (SUB, step_keys), 0)
     q_rows = pl.ds(q_start, SUB)
-    if row_refs is not None:
+    if row_refs:
       lse2_ref, out_ref, *d_stat_ref = row_refs
       mb.plgpu.copy_gmem_to_smem(out_ref.at[b, q_rows, h], o_smem.at[wg], o_ready.at[wg])
     mb.plgpu.barrier_wait(q_ready.at[wg])
     mb.plgpu.barrier_wait(do_ready.at[wg])
     rows = ()
-    if row_refs is not None:  # softmax: lse2 and delta = rowsum(dO * O) - d_stat
+    if row_refs:  # softmax: lse2 and delta = rowsum(dO * O) - d_stat
       row_layout = mb.plgpu.Layout.WGMMA.reduce(1)
       lse2 = mb.plgpu.load(lse2_ref.at[b, h, q_rows], (), layout=row_layout, optimized=False)
       mb.plgpu.barrier_wait(o_ready.at[wg])
@@ -179,8 +162,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int):
-  rows_ref, cap_refs, list_refs, rest = _split(plan, refs, 1)
-  rows_ref = None if rows_ref is None else rows_ref[0]
+  row_refs, cap_refs, list_refs, rest = split_inputs(plan, refs)
+  rows_ref = row_refs[0] if row_refs else None
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, *rest) = rest
   rows_smem = rest.pop(0) if rows_ref is not None else None
   k_ready, v_ready, q_ready, do_ready, rows_ready, free = rest
@@ -217,11 +200,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
         del masked
         for i in range(sub_steps):
           q_rows = pl.ds(q_block * plan.block_q + i * SUB, SUB)
-          copies = [(q_ref.at[b, q_rows, h], q_smem, q_ready),
-                    (do_ref.at[b, q_rows, h], do_smem, do_ready)]
+          copies = [(q_ref.at[b, q_rows, h], q_smem, q_ready, free),  # one wait frees the slot
+                    (do_ref.at[b, q_rows, h], do_smem, do_ready, None)]
           if rows_ref is not None:
-            copies.append((rows_ref.at[b, h, :, q_rows], rows_smem, rows_ready))
-          mb.refill(step * sub_steps + i, stages, free, copies)
+            copies.append((rows_ref.at[b, h, :, q_rows], rows_smem, rows_ready, None))
+          mb.refill(step * sub_steps + i, stages, copies)
         return carry
 
       return mb.fold_visits(visits_of(h), load, carry, step)

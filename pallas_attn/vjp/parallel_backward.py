@@ -150,6 +150,12 @@ class BackwardPlan(ForwardPlan):
     num_max = sum(st.reducer == "max" for st in rownorm.stats)
     return 1 + len(rownorm.stats) + num_max  # factor, dr_k..., argmaxes...
 
+  @property
+  def score_scale(self) -> float:
+    """What `q.k` is multiplied by: the softmax scale, times log2(e) when
+    the scores go to the log2 domain."""
+    return self.scale * LOG2E if self.folds_log2 else self.scale
+
   def uses_of(self, kind: str) -> tuple:
     return tuple(n for n, k in enumerate(self.grad_kinds) if k == kind)
 
@@ -227,23 +233,21 @@ def tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, kee
   return weights, ds, d_captures, tuple(flats[u] for u in grad_uses)
 
 
-def _split_inputs(plan: BackwardPlan, refs):
-  """(row-term ref or None, capture refs, block mask refs, remaining refs)."""
-  rows_ref = None
-  if plan.num_row_terms:
-    rows_ref, refs = refs[0], refs[1:]
+def split_inputs(plan: BackwardPlan, refs, num_row_refs: int = 1):
+  """(row-term refs, capture refs, block mask refs, remaining refs) of a
+  backward kernel's inputs after q, k, v, dO; row-term and block mask refs
+  are empty where the plan has none."""
+  num_rows = num_row_refs if plan.num_row_terms else 0
+  row_refs, refs = refs[:num_rows], refs[num_rows:]
   n_caps = len(plan.operands)
   cap_refs, refs = refs[:n_caps], refs[n_caps:]
   n_lists = 4 if plan.block_sparse else 0
-  return rows_ref, cap_refs, refs[:n_lists], refs[n_lists:]
-
-
-def _score_scale(plan: BackwardPlan) -> float:
-  return plan.scale * LOG2E if plan.folds_log2 else plan.scale
+  return row_refs, cap_refs, refs[:n_lists], refs[n_lists:]
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
-  rows_ref, cap_refs, list_refs, out_refs = _split_inputs(plan, refs)
+  row_refs, cap_refs, list_refs, out_refs = split_inputs(plan, refs)
+  rows_ref = row_refs[0] if row_refs else None
   row_uses, tile_uses, gather_uses = plan.uses_of(ROW), plan.uses_of(TILE), plan.uses_of(GATHER)
   dq_ref, *grad_refs = out_refs
   row_grad_refs = grad_refs[:len(row_uses)]
@@ -258,7 +262,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   q, do = q_ref[...], do_ref[...]
   rows = tuple(rows_ref[t, :][:, None] for t in range(plan.num_row_terms))
   q_idx = tiles.tile_indices(qi * bq, bq, axis=0)
-  score_scale = _score_scale(plan)
+  score_scale = plan.score_scale
 
   def visit(kv_block, carry, masked: bool):
     dq, row_grads = carry
@@ -296,7 +300,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
-  rows_ref, cap_refs, list_refs, out_refs = _split_inputs(plan, refs)
+  row_refs, cap_refs, list_refs, out_refs = split_inputs(plan, refs)
+  rows_ref = row_refs[0] if row_refs else None
   key_uses = plan.uses_of(KEY)
   dk_ref, dv_ref, *key_grad_refs = out_refs
   ki, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -305,7 +310,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   k, v = k_ref[...], v_ref[...]
   kv_start = ki * bk
   kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
-  score_scale = _score_scale(plan)
+  score_scale = plan.score_scale
   # Padded query rows have dO = 0; outside plain softmax their scores could
   # still make non-finite derivatives, so they are masked.
   mask_rows = not plan.folds_log2 and plan.seq_q % bq != 0
