@@ -12,7 +12,6 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.schedule import cache as tuning_cache
-from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import is_concrete
@@ -84,10 +83,8 @@ def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) ->
     return config
   if config not in (None, "auto"):
     raise TypeError(f"{arg_name} must be an AttentionConfig, 'auto' or None; got {config!r}")
-  tuned = None
-  if template in search_space.TEMPLATES:  # the Mosaic templates are not tuned yet
-    tuned = tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
-                                       k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
+  tuned = tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
+                                     k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
   return (tuned
           or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3],
                        block_sparse=analysis.mask_mod is not None, itemsize=q.dtype.itemsize))

@@ -103,6 +103,16 @@ def _chosen_config(template: str, analysis, shape: ProblemShape):
           "heuristic (no tuned cache entry)")
 
 
+def _running_templates(analysis, shape: ProblemShape) -> list[str]:
+  """The forward and backward templates `attention` runs here for this call."""
+  from pallas_attn.kernels import backend, lowering
+  choice = lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
+                           backend.default_interpret())
+  return [name + ("_mosaic" if pass_lowering == lowering.MOSAIC_GPU else "")
+          for name, pass_lowering in (("forward", choice.forward),
+                                      ("backward", choice.backward))]
+
+
 def _progress(line: str) -> None:
   print(line, file=sys.stderr, flush=True)
 
@@ -110,8 +120,12 @@ def _progress(line: str) -> None:
 def cmd_tune(args) -> int:
   from pallas_attn.schedule.device import current_device_kind
   from pallas_attn.schedule.tuner import tune_attention
+  from pallas_attn.spec.analysis import analyze_variant
   shape = _shape(args)
   variant = load_variant(args.variant, shape)
+  if args.template is None:
+    args.template = _running_templates(
+        analyze_variant(**{k: v for k, v in variant.items() if k != "sinks"}), shape)[0]
   print(f"tuning {args.variant} ({args.template}) for {bench_lib.describe_shape(shape)} "
         f"on {current_device_kind()}, budget {args.budget:g} s", flush=True)
   try:
@@ -168,7 +182,7 @@ def cmd_explain(args) -> int:
   if sinks is not None:
     print(f"sinks: {list(sinks.shape)} logits, one per query head, start each row's softmax state")
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
-  for template in args.templates:
+  for template in args.templates or _running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)
     print(f"{template}: {format_config(config)}  [{source}]")
     reason = prune_reason(template, config, shape, device)
@@ -243,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
   tune = commands.add_parser("tune", help="tune a variant's tiles and store them in the cache")
   tune.add_argument("variant", help=variant_help)
   _add_shape_args(tune, seq=1024)
-  tune.add_argument("--template", choices=ATTENTION_TEMPLATES, default="forward")
+  tune.add_argument("--template", choices=ATTENTION_TEMPLATES, default=None,
+                    help="the pass to tune (default: the forward template that runs here)")
   tune.add_argument("--budget", type=_positive_float, default=60.0, metavar="SECONDS",
                     help="stop starting new candidates after this long (default 60)")
   tune.add_argument("--max-candidates", type=_positive_int, default=None, metavar="N",
@@ -266,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
   explain = commands.add_parser("explain", help="show what the compiler decides for a variant")
   explain.add_argument("variant", help=variant_help)
   _add_shape_args(explain, seq=1024)
-  explain.add_argument("--templates", nargs="+", choices=ATTENTION_TEMPLATES,
-                       default=["forward", "backward"])
+  explain.add_argument("--templates", nargs="+", choices=ATTENTION_TEMPLATES, default=None,
+                       help="default: the forward and backward templates that run here")
   explain.add_argument("--verbose", action="store_true",
                        help="list every pruned config with its reason")
   explain.set_defaults(run=cmd_explain)

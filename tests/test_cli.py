@@ -59,6 +59,18 @@ def test_tune_then_explain_uses_the_cache(capsys, variant_file, cache_path):
   assert code == 0 and "[from the tuning cache]" in out
 
 
+def test_explain_shows_the_configs_of_the_passes_that_run(capsys, monkeypatch):
+  """Where Mosaic GPU runs a pass, explain shows that template's config and space."""
+  from pallas_attn.kernels import backend, mosaic_backend
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  monkeypatch.setattr(backend, "default_interpret", lambda: False)
+  code, out, _ = run(capsys, "explain", "causal", "--seq-q", "256", "--d-qk", "64")
+  assert code == 0
+  assert "forward_mosaic: block_q=128 block_k=128 num_warps=12 num_stages=2" in out
+  assert "backward_mosaic: block_q=128 block_k=128 num_warps=12 num_stages=4" in out
+  assert "\nforward:" not in out
+
+
 def test_explain_verbose_lists_pruned_configs(capsys, variant_file):
   code, out, _ = run(capsys, "explain", variant_file, *TINY, "--verbose")
   assert code == 0 and "pruned block_q=64" in out and "> padded seq_q 32" in out

@@ -2,6 +2,7 @@
 import json
 import os
 import threading
+import functools
 import types
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from pallas_attn.kernels import mosaic_backend
 from pallas_attn.schedule import cache as cache_lib
 from pallas_attn.schedule import device as device_lib
 from pallas_attn.schedule import search_space as space_lib
@@ -17,6 +19,7 @@ from pallas_attn.schedule import timing, tuner
 from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
 
 H100 = device_lib.lookup_device("NVIDIA H100 80GB HBM3")
+ON_HOPPER = jax.default_backend() == "gpu" and mosaic_backend.unavailable() is None
 CPU = device_lib.lookup_device("cpu")
 
 
@@ -127,6 +130,60 @@ def test_search_space_order_and_axes():
     space_lib.search_space("forward", shape(), H100, chunk_size=(16,))
   with pytest.raises(ValueError, match="unknown template"):
     space_lib.search_space("sideways", shape(), H100)
+
+
+def test_mosaic_search_spaces():
+  """The Mosaic templates search tiles and ring depth; warps follow the tiles;
+  shared memory prunes what the kernels could not allocate."""
+  forward = space_lib.search_space("forward_mosaic", shape(), H100)
+  assert forward.candidates[0] == forward.default == AttentionConfig(128, 128, 12, 2)
+  assert all(c.num_warps == 4 * (c.block_q // 64 + 1) for c in forward.candidates)
+  assert AttentionConfig(128, 64, 12, 4) in forward.candidates
+  reason = space_lib.prune_reason("forward_mosaic", AttentionConfig(128, 256, 12, 2),
+                                  shape(), H100)
+  assert "> 227 KiB limit" in reason
+  backward = space_lib.search_space("backward_mosaic", shape(), H100)
+  assert backward.default == AttentionConfig(128, 128, 12, 4) in backward.candidates
+  assert {c.block_k for c in backward.candidates} == {64, 128}
+  reason = space_lib.prune_reason("backward_mosaic", AttentionConfig(128, 128, 12, 8),
+                                  shape(), H100)
+  assert "shared memory holds 3 (dq) and 4 (dk/dv) ring slots" in reason
+  assert "run 12" in space_lib.prune_reason("forward_mosaic", AttentionConfig(128, 64, 8, 2),
+                                            shape(), H100)
+  assert "block_q 64 or 128" in space_lib.prune_reason("forward_mosaic",
+                                                       AttentionConfig(32, 64, 8, 2), shape(), H100)
+
+
+@pytest.mark.parametrize("template", space_lib.MOSAIC_TEMPLATES)
+def test_tuning_a_mosaic_template_where_it_cannot_run_says_why(template):
+  s = shape(batch=1, seq_q=64, heads=1, d_qk=64)
+  with pytest.raises(ValueError, match="cannot run this call"):
+    tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, template=template, store=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs Mosaic GPU (sm_90+)")
+def test_tune_mosaic_templates_then_attention_uses_them(cache_path):
+  """Both Mosaic passes tuned on a small shape, stored, and picked up by
+  attention(): its results equal the heuristic configs' results."""
+  import pallas_attn as pa
+  s = shape(batch=1, seq_q=256, heads=2, d_qk=64)
+  for template in space_lib.MOSAIC_TEMPLATES:
+    result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, template=template,
+                                  max_candidates=3, warmup=1, reps=2)
+    assert result.trials[0].ok, result.trials[0].error
+    assert _lookup(template=template, fingerprint=pa.analyze_variant().fingerprint(),
+                   s=s) == result.best
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), sh, jnp.bfloat16)
+             for i, sh in enumerate((s.q_shape, s.k_shape, s.v_shape)))
+  loss = lambda q, k, v, **kw: jnp.sum(pa.attention(q, k, v, **kw).astype(jnp.float32) ** 2)
+  tuned = jax.grad(loss, (0, 1, 2))(q, k, v)
+  heuristic = jax.grad(functools.partial(loss, config=space_lib.default_config(
+      "forward_mosaic", s), bwd_config=space_lib.default_config("backward_mosaic", s)),
+      (0, 1, 2))(q, k, v)
+  for a, b in zip(tuned, heuristic):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=5e-2, atol=5e-2)
 
 
 def test_interpret_space_is_tiny():

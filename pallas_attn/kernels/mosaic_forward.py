@@ -159,6 +159,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     mb.plgpu.wait_smem_to_gmem(0)
 
 
+def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int) -> int:
+  """Shared memory of one program at `config` on padded head dims: the q
+  tile (the output tile shares it when the head dims agree), the row
+  statistics and the K/V ring."""
+  rows = config.block_q
+  q_and_out = rows * (d_qk if d_qk == d_v else d_qk + d_v) * itemsize
+  return q_and_out + rows * 4 + config.num_stages * config.block_k * (d_qk + d_v) * itemsize
+
+
 def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardPlan,
             config: AttentionConfig, interpret: bool):
   """Runs the Mosaic GPU forward on padded inputs; the contract of

@@ -13,7 +13,11 @@ deep) next to a resident Q tile; the backward runs a dK/dV kernel (resident
 K/V, pipelined Q/dO) and a dQ kernel (the mirror image), and a config must
 fit both; the linear templates pipeline q/k/v(/dO) chunks and keep the
 recurrent state in registers. It is an estimate for pruning, not a
-substitute for timing.
+substitute for timing. The Mosaic GPU templates ("forward_mosaic",
+"backward_mosaic") take their shared memory from the kernels' own
+accounting; their knobs are the tiles (64 rows per consumer warpgroup, so
+block_q / 64 consumers) and the ring depth, and num_warps follows from the
+tiles (the consumers and the producer warpgroup).
 """
 from __future__ import annotations
 
@@ -29,16 +33,23 @@ from pallas_attn.schedule.device import DeviceConfig, KiB, device_config
 
 Config = AttentionConfig | LinearAttentionConfig
 
-ATTENTION_TEMPLATES = ("forward", "backward")  # `pallas_attn.attention`
+# `pallas_attn.attention`'s passes, lowered with Triton and with Mosaic GPU.
+ATTENTION_TEMPLATES = ("forward", "backward", "forward_mosaic", "backward_mosaic")
+MOSAIC_TEMPLATES = ("forward_mosaic", "backward_mosaic")
 TEMPLATES: dict[str, type] = {
     "forward": AttentionConfig,
     "backward": AttentionConfig,
+    "forward_mosaic": AttentionConfig,
+    "backward_mosaic": AttentionConfig,
     "linear_forward": LinearAttentionConfig,
     "linear_backward": LinearAttentionConfig,
 }
 BLOCK_CHOICES = (16, 32, 64, 128, 256)
 CHUNK_CHOICES = (16, 32, 64, 128)
 BLOCK_V_CHOICES = (16, 32, 64, 128)
+MOSAIC_BLOCK_Q_CHOICES = (64, 128)  # one or two consumer warpgroups
+MOSAIC_BLOCK_K_CHOICES = {"forward_mosaic": (64, 128, 256), "backward_mosaic": (64, 128)}
+MOSAIC_STAGE_CHOICES = (1, 2, 3, 4, 6, 8)
 
 
 def config_class(template: str) -> type:
@@ -114,6 +125,11 @@ def default_config(template: str, shape: ProblemShape, *,
   if template == "backward":
     from pallas_attn.vjp.parallel_backward import heuristic_backward_config
     return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
+  if template in MOSAIC_TEMPLATES:
+    from pallas_attn.kernels import lowering
+    heuristic = (lowering.heuristic_mosaic_config if template == "forward_mosaic"
+                 else lowering.heuristic_mosaic_backward_config)
+    return heuristic(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
   # The linear templates' heuristic, on the padded widths they run with.
   from pallas_attn.kernels.linear.chunked_forward import heuristic_linear_config
   return heuristic_linear_config(shape.seq_kv, padded_head_dim(shape.d_qk),
@@ -187,9 +203,53 @@ def _tile_reason(axis: str, value: int, multiple: int, bound: int | None,
   return None
 
 
+def mosaic_num_warps(template: str, block_q: int, block_k: int) -> int:
+  """The warps a Mosaic GPU program runs: its consumer warpgroups (64 rows
+  each; the backward's dq and dk/dv programs own block_q and block_k rows)
+  and the producer's."""
+  rows = block_q if template == "forward_mosaic" else max(block_q, block_k)
+  return 4 * (rows // 64 + 1)
+
+
+def _mosaic_prune_reason(template: str, config: AttentionConfig, shape: ProblemShape,
+                         device: DeviceConfig) -> str | None:
+  from pallas_attn.kernels import lowering
+  error = (lowering.mosaic_config_error if template == "forward_mosaic"
+           else lowering.mosaic_backward_config_error)(config)
+  if error:
+    return error
+  for axis, value, seq in (("block_q", config.block_q, shape.seq_q),
+                           ("block_k", config.block_k, shape.seq_kv)):
+    if value > max(64, next_power_of_2(seq)):
+      return f"{axis} {value} > padded {'seq_q' if axis == 'block_q' else 'seq_kv'}"
+  if config.num_stages < 1:
+    return f"num_stages {config.num_stages} < 1"
+  warps = mosaic_num_warps(template, config.block_q, config.block_k)
+  if config.num_warps != warps:
+    return f"num_warps {config.num_warps}: these tiles run {warps} (consumers and producer)"
+  if device.interpret:
+    return None
+  d_qk, d_v = (lowering.padded_head_dim(d, lowering.MOSAIC_GPU)
+               for d in (shape.d_qk, shape.d_v))
+  if template == "forward_mosaic":
+    from pallas_attn.kernels.mosaic_forward import shared_memory_bytes
+    smem = shared_memory_bytes(config, d_qk, d_v, shape.itemsize)
+    if device.smem_per_block is not None and smem > device.smem_per_block:
+      return f"smem {_kib(smem)} > {_kib(device.smem_per_block)} limit"
+    return None
+  from pallas_attn.vjp.mosaic_backward import ring_depths
+  dq_depth, dkv_depth = ring_depths(config, d_qk, d_v, shape.itemsize, row_terms=True)
+  if config.num_stages > max(dq_depth, dkv_depth):
+    return (f"num_stages {config.num_stages}: shared memory holds {dq_depth} (dq) and "
+            f"{dkv_depth} (dk/dv) ring slots")
+  return None
+
+
 def prune_reason(template: str, config: Config, shape: ProblemShape,
                  device: DeviceConfig) -> str | None:
   """Why `config` cannot (or should not) run `shape` on `device`; None if it may."""
+  if template in MOSAIC_TEMPLATES:
+    return _mosaic_prune_reason(template, config, shape, device)
   mma_m, mma_n, mma_k = device.mma_tile
   if config_class(template) is AttentionConfig:
     rows, cols = config.block_q, config.block_k
@@ -268,6 +328,9 @@ def default_axes(template: str, shape: ProblemShape, device: DeviceConfig, *,
                  block_sparse: bool = False) -> dict[str, tuple[int, ...]]:
   """The values searched per config field. Interpret mode keeps the default's launch parameters."""
   default = default_config(template, shape, block_sparse=block_sparse)
+  if template in MOSAIC_TEMPLATES:  # num_warps follows from the tiles (search_space)
+    return {"block_q": MOSAIC_BLOCK_Q_CHOICES, "block_k": MOSAIC_BLOCK_K_CHOICES[template],
+            "num_warps": (default.num_warps,), "num_stages": MOSAIC_STAGE_CHOICES}
   if device.interpret:
     launch = {"num_warps": (default.num_warps,), "num_stages": (default.num_stages,)}
   else:
@@ -283,6 +346,13 @@ def default_axes(template: str, shape: ProblemShape, device: DeviceConfig, *,
 def _distance(config: Config, default: Config) -> float:
   return sum(abs(math.log2(a / b)) for a, b in
              zip(dataclasses.astuple(config), dataclasses.astuple(default)))
+
+
+def _with_derived_fields(template: str, config: Config) -> Config:
+  if template in MOSAIC_TEMPLATES:
+    return dataclasses.replace(
+        config, num_warps=mosaic_num_warps(template, config.block_q, config.block_k))
+  return config
 
 
 def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None = None, *,
@@ -301,8 +371,9 @@ def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None
   values = {**default_axes(template, shape, device, block_sparse=block_sparse), **axes}
   default = default_config(template, shape, block_sparse=block_sparse)
   candidates, pruned = [], []
-  for combo in itertools.product(*(values[f] for f in fields)):
-    config = cls(**dict(zip(fields, combo)))
+  configs = {_with_derived_fields(template, cls(**dict(zip(fields, combo))))
+             for combo in itertools.product(*(values[f] for f in fields))}
+  for config in sorted(configs, key=dataclasses.astuple):
     reason = prune_reason(template, config, shape, device)
     if reason:
       pruned.append(PrunedConfig(config, reason))

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from pallas_attn.schedule import cache
 from pallas_attn.schedule.device import device_config
-from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, ProblemShape,
-                                               default_config, format_config,
+from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, MOSAIC_TEMPLATES,
+                                               ProblemShape, default_config, format_config,
                                                search_space)
 from pallas_attn.schedule.timing import median_time_ms
 
@@ -235,6 +235,18 @@ def tune_template(template: str, fingerprint: str, build: Callable, shape: Probl
   return result
 
 
+def _check_mosaic(template: str, analysis, shape: ProblemShape, interpret) -> None:
+  """A clear error before compiling anything where Mosaic GPU cannot run the pass."""
+  from pallas_attn.kernels import backend, lowering
+  obstacle = (lowering.mosaic_obstacle if template == "forward_mosaic"
+              else lowering.mosaic_backward_obstacle)
+  why = obstacle(analysis, shape.dtype, shape.d_qk, shape.d_v,
+                 backend.resolve_interpret(interpret))
+  if why:
+    raise ValueError(f"template {template!r} cannot run this call: {why}; tune "
+                     f"{template.removesuffix('_mosaic')!r} (Triton) instead")
+
+
 def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=None,
                    mask_mod=None, rownorm="softmax", sinks=None, template: str = "forward",
                    forward_config=None, interpret: bool | None = None, seed: int = 0,
@@ -242,8 +254,10 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   """Tunes `pallas_attn.attention` for this variant and these shapes; stores the winner.
 
   template: "forward" (`config=`) or "backward" (`bwd_config=`), tuned
-    separately; the backward is timed alone, with the forward's config fixed
-    to `forward_config`, else the cached one, else the heuristic. With a
+    separately, on the Triton lowering; "forward_mosaic" / "backward_mosaic"
+    the same passes on Mosaic GPU (an error where it cannot run them). The
+    backward is timed alone, with the forward's config fixed to
+    `forward_config`, else the cached one, else the heuristic. With a
     mask_mod each pass gets the block mask on its own tiles.
   tuning: keyword arguments of `tune_template` (budget_s, max_candidates,
     axes, warmup, reps, store, progress).
@@ -256,21 +270,26 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
     raise ValueError(f"attention templates are {ATTENTION_TEMPLATES}, got {template!r}")
   shape = ProblemShape.from_shapes(q_shape, k_shape, v_shape, dtype)
   block_sparse = mask_mod is not None  # the masked heuristic is the baseline
-  fingerprint = analyze_variant(score_mod=score_mod, mask_mod=mask_mod,
-                                rownorm=rownorm).fingerprint()
+  analysis = analyze_variant(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm)
+  fingerprint = analysis.fingerprint()
+  mosaic = template in MOSAIC_TEMPLATES
+  forward_template = "forward_mosaic" if mosaic else "forward"
+  if mosaic:
+    _check_mosaic(template, analysis, shape, interpret)
   q, k, v, dout = _random_inputs(shape, seed)
   call = functools.partial(attention, score_mod=score_mod, mask_mod=mask_mod,
-                           rownorm=rownorm, sinks=sinks, interpret=interpret)
+                           rownorm=rownorm, sinks=sinks, interpret=interpret,
+                           implementation="mosaic_gpu" if mosaic else "triton")
 
-  if template == "forward":
+  if template == forward_template:
     def build(config):
       forward = jax.jit(functools.partial(call, config=config))
       return lambda: forward(q, k, v)
   else:
     if forward_config is None:
-      forward_config = (cache.lookup_config("forward", fingerprint, q_shape=q_shape,
+      forward_config = (cache.lookup_config(forward_template, fingerprint, q_shape=q_shape,
                                             k_shape=k_shape, v_shape=v_shape, dtype=dtype)
-                        or default_config("forward", shape, block_sparse=block_sparse))
+                        or default_config(forward_template, shape, block_sparse=block_sparse))
     apply_pullback = jax.jit(lambda pullback, cotangent: pullback(cotangent))
 
     def build(config):

@@ -47,6 +47,22 @@ def _ring_stages(requested: int, fixed: int, per_stage: int) -> int:
   return max(1, min(requested, (SMEM_BYTES - fixed) // per_stage))
 
 
+def ring_depths(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
+                row_terms: bool) -> tuple[int, int]:
+  """The dq and dk/dv kernels' ring depths for `config` on padded head dims:
+  `config.num_stages`, capped by shared memory beside each kernel's resident
+  tiles. `row_terms`: a softmax rownorm, whose dq kernel also stages the
+  output tile and writes (lse2, delta) rows that the dk/dv ring carries."""
+  fixed = (config.block_q // SUB) * SUB * (d_qk + d_v) * itemsize
+  if row_terms:
+    fixed += (config.block_q // SUB) * SUB * (d_v * itemsize + 2 * 4)
+  step_keys = min(DQ_STEP_KEYS, config.block_k)
+  dq = _ring_stages(config.num_stages, fixed, step_keys * (d_qk + d_v) * itemsize)
+  dkv = _ring_stages(config.num_stages, (config.block_k // SUB) * SUB * (d_qk + d_v) * itemsize,
+                     SUB * (d_qk + d_v) * itemsize + (2 * SUB * 4 if row_terms else 0))
+  return dq, dkv
+
+
 def _zeros(rows: int, cols: int):
   return mb.as_tile(jnp.zeros((rows, cols), jnp.float32))
 
@@ -298,7 +314,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
 
   consumers = plan.block_q // SUB
   step_keys = min(DQ_STEP_KEYS, plan.block_k)
-  fixed = consumers * SUB * (d_qk + d_v) * item
+  stages, dkv_stages = ring_depths(config, d_qk, d_v, item, rows is not None)
   dq_rows, row_outputs, row_scratch = (), [], []
   if rows is not None:  # softmax: the kernel writes [B, H, 2, Sq_pad] (lse2, delta)
     lse2, out, d_stat = rows
@@ -306,8 +322,6 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
     row_outputs = [jax.ShapeDtypeStruct((batch, heads, 2, seq_q_pad), jnp.float32)]
     row_scratch = [smem((consumers, SUB, d_v), out.dtype),
                    mb.plgpu.SMEM((consumers, 2, SUB), jnp.float32), barriers(consumers)]
-    fixed += consumers * SUB * (d_v * out.dtype.itemsize + 2 * 4)
-  stages = _ring_stages(config.num_stages, fixed, step_keys * (d_qk + d_v) * item)
   q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
   dq, *row_terms = mb.plgpu.kernel(
       functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks,
@@ -330,9 +344,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   )(q, k, v, d_out, *dq_rows, *capture_arrays, *q_lists)
 
   consumers = plan.block_k // SUB
-  row_bytes = 2 * SUB * 4 if row_terms else 0
-  stages = _ring_stages(config.num_stages, consumers * SUB * (d_qk + d_v) * item,
-                        SUB * (d_qk + d_v) * item + row_bytes)
+  stages = dkv_stages
   kv_lists = () if block_mask is None else block_mask.kv_major(num_kv_blocks)
   rows_scratch = [mb.plgpu.SMEM((stages, 2, SUB), jnp.float32)] if row_terms else []
   dk, dv = mb.plgpu.kernel(
