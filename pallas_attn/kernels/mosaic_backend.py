@@ -67,6 +67,14 @@ def unavailable() -> str | None:
   return None
 
 
+def kernel(body, *, name: str, **kwargs):
+  """`plgpu.kernel` of `body`, named `name` in profiles (Pallas names a
+  kernel after its body's `__name__`, which a functools.partial lacks)."""
+  named = functools.partial(body)
+  named.__name__ = name
+  return plgpu.kernel(named, **kwargs)
+
+
 def compiler_params(fast_math: bool):
   """`approx_math` turns exp2 / tanh / logistic / division into the hardware
   approximations: half-precision inputs only (as the Triton template's

@@ -199,9 +199,10 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   if consumers == 2:
     scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))
   sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
-  kernel = mb.plgpu.kernel(
+  kernel = mb.kernel(
       functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,
                         num_q_blocks=num_q_blocks, shared_qo=shared_qo),
+      name="pallas_attn_mosaic_forward",
       out_type=[jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), q.dtype),
                 jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32)],
       scratch_types=scratch,

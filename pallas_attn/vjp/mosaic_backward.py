@@ -323,9 +323,10 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
     row_scratch = [smem((consumers, SUB, d_v), out.dtype),
                    mb.plgpu.SMEM((consumers, 2, SUB), jnp.float32), barriers(consumers)]
   q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
-  dq, *row_terms = mb.plgpu.kernel(
+  dq, *row_terms = mb.kernel(
       functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks,
                         step_keys=step_keys, num_row_refs=len(dq_rows)),
+      name="pallas_attn_mosaic_dq",
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *row_outputs],
       scratch_types=[
           *row_scratch,
@@ -347,8 +348,9 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   stages = dkv_stages
   kv_lists = () if block_mask is None else block_mask.kv_major(num_kv_blocks)
   rows_scratch = [mb.plgpu.SMEM((stages, 2, SUB), jnp.float32)] if row_terms else []
-  dk, dv = mb.plgpu.kernel(
+  dk, dv = mb.kernel(
       functools.partial(_dkv_kernel, plan=kernel_plan, stages=stages),
+      name="pallas_attn_mosaic_dkv",
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
           smem((consumers, SUB, d_qk), k.dtype),
