@@ -23,18 +23,21 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_attn.schedule.config import (AttentionConfig, LinearAttentionConfig,
-                                         heuristic_config, next_power_of_2)
+from pallas_attn.schedule.config import (AttentionConfig, DecodeConfig, LinearAttentionConfig,
+                                         heuristic_config, heuristic_decode_config,
+                                         next_power_of_2)
 from pallas_attn.schedule.device import DeviceConfig, KiB, device_config
 
-Config = AttentionConfig | LinearAttentionConfig
+Config = AttentionConfig | LinearAttentionConfig | DecodeConfig
 
-ATTENTION_TEMPLATES = ("forward", "backward")  # `pallas_attn.attention`
+# `pallas_attn.attention`'s passes and the split-KV template (`decode_attention`).
+ATTENTION_TEMPLATES = ("forward", "backward", "decode")
 TEMPLATES: dict[str, type] = {
     "forward": AttentionConfig,
     "backward": AttentionConfig,
     "linear_forward": LinearAttentionConfig,
     "linear_backward": LinearAttentionConfig,
+    "decode": DecodeConfig,
 }
 BLOCK_CHOICES = (16, 32, 64, 128, 256)
 CHUNK_CHOICES = (16, 32, 64, 128)
