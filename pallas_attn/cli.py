@@ -162,7 +162,10 @@ def cmd_explain(args) -> int:
   from pallas_attn.kernels import backend, lowering
   print(lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                         backend.default_interpret()).describe())
-  if analysis.mask_mod is not None:
+  from pallas_attn import decode
+  print(decode.describe_dispatch(analysis, shape.q_shape, shape.k_shape, shape.v_shape,
+                                 shape.dtype))
+  if analysis.mask_mod is not None and not decode.prefers_split_kv(shape.seq_q, shape.seq_kv):
     from pallas_attn.kernels.block_mask import describe_build
     print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))
   if sinks is not None:

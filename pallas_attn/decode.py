@@ -19,8 +19,8 @@ from pallas_attn import api
 from pallas_attn.kernels import backend, decode_forward, tiles
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.schedule import cache as tuning_cache
-from pallas_attn.schedule.config import (MAX_DECODE_QUERIES, DecodeConfig,
-                                         heuristic_decode_config, prefers_split_kv)
+from pallas_attn.schedule import search_space
+from pallas_attn.schedule.config import MAX_DECODE_QUERIES, DecodeConfig, prefers_split_kv
 from pallas_attn.schedule.device import device_config
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import is_concrete
@@ -167,13 +167,8 @@ def resolve_config(config, analysis: VariantAnalysis, q, k_shape, v_shape) -> De
   if not isinstance(config, DecodeConfig):
     config = tuning_cache.lookup_config(TEMPLATE, analysis.fingerprint(), q_shape=q.shape,
                                         k_shape=k_shape, v_shape=v_shape, dtype=q.dtype)
-  device = device_config()
-  batch, seq_q, heads, d_qk = q.shape
-  _, max_length, heads_kv, _ = k_shape
-  complete = heuristic_decode_config(
-      batch, heads_kv, seq_q * heads // heads_kv, max_length, d_qk, v_shape[-1],
-      itemsize=q.dtype.itemsize, sm_count=device.sm_count,
-      smem_per_block=device.smem_per_block, base=config)
+  shape = search_space.ProblemShape.from_shapes(q.shape, k_shape, v_shape, q.dtype)
+  complete = search_space.decode_schedule(shape, device_config(), base=config)
   _check_config(complete)
   return complete
 
@@ -306,7 +301,6 @@ def describe_dispatch(analysis: VariantAnalysis, q_shape, k_shape, v_shape, dtyp
     return "forward template: parallel (one program per query block, batch and head)"
   q = jax.ShapeDtypeStruct(q_shape, dtype)
   cfg = resolve_config(None, analysis, q, k_shape, v_shape)
-  return (f"forward template: split-KV decoding ({q_shape[1]} queries x "
-          f"{q_shape[2] // k_shape[2]} heads per tile, {cfg.num_splits} splits of the keys, "
-          f"block_k={cfg.block_k} num_warps={cfg.num_warps} num_stages={cfg.num_stages}; "
-          "differentiated: the parallel template)")
+  return (f"forward template: split-KV decoding (tiles of {q_shape[2] // k_shape[2]} query "
+          f"heads x {q_shape[1]} tokens, keys split {cfg.num_splits} ways; "
+          f"{search_space.format_config(cfg)}; differentiated: the parallel template)")

@@ -125,7 +125,7 @@ def to_pages(x, lengths, page_size, seed):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("page_size,dtype,window", [
-    (8, jnp.float32, None),        # a 16-key block spans two pages
+    (4, jnp.float32, None),        # a 16-key block spans four pages; 13 pages a sequence
     (32, jnp.bfloat16, 12),        # two blocks per page, a window over the cache
 ], ids=["small-pages-fp32", "large-pages-bf16-window"])
 def test_paged_matches_contiguous(page_size, dtype, window, interpret):

@@ -183,7 +183,7 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
     stats_ref[n, rows[:, 0]] = value[:, 0]
 
 
-def _input_specs(plan: DecodePlan, paged_shape, ranges_shape, capture_arrays):
+def _input_specs(plan: DecodePlan, num_pages, max_pages, ranges_shape, capture_arrays):
   """BlockSpecs of the inputs, for the grid (split, b, kv head x row block)."""
   blocks = plan.row_blocks
   kv_head = lambda hb: hb // blocks
@@ -194,12 +194,11 @@ def _input_specs(plan: DecodePlan, paged_shape, ranges_shape, capture_arrays):
     specs.append(pl.BlockSpec((None, None, 2),
                               lambda s, b, hb: (b, kv_head(hb) if per_head else 0, 0)))
   if plan.page_size:
-    specs.append(pl.BlockSpec((None, paged_shape[1]), lambda s, b, hb: (b, 0)))
+    specs.append(pl.BlockSpec((None, max_pages), lambda s, b, hb: (b, 0)))
   specs.append(pl.BlockSpec((None, seq_q, None, group, d_qk),
                             lambda s, b, hb: (b, 0, kv_head(hb), 0, 0)))
   for d in (d_qk, d_v):
     if plan.page_size:
-      num_pages = paged_shape[0]
       specs.append(pl.BlockSpec((num_pages, plan.page_size, None, d),
                                 lambda s, b, hb: (0, 0, kv_head(hb), 0)))
     else:
@@ -225,7 +224,7 @@ def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, *, plan
   heads_kv = k.shape[2]
   cfg, group = plan.config, plan.group
   q5 = q.reshape(batch, seq_q, heads_kv, group, q.shape[-1])
-  in_specs = _input_specs(plan, k.shape if plan.page_size else None,
+  in_specs = _input_specs(plan, k.shape[0], None if page_table is None else page_table.shape[1],
                           None if ranges is None else ranges.shape, capture_arrays)
   inputs = [lengths.astype(jnp.int32)]
   if ranges is not None:

@@ -244,7 +244,9 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   template: "forward" (`config=`) or "backward" (`bwd_config=`), tuned
     separately; the backward is timed alone, with the forward's config fixed
     to `forward_config`, else the cached one, else the heuristic. With a
-    mask_mod each pass gets the block mask on its own tiles.
+    mask_mod each pass gets the block mask on its own tiles. "decode": the
+    split-KV template (`decode_attention`, every sequence holding k_shape's
+    S_max keys; also what `attention` runs for a few queries).
   tuning: keyword arguments of `tune_template` (budget_s, max_candidates,
     axes, warmup, reps, store, progress).
   Afterwards `attention(config="auto")` finds the stored config.
@@ -262,7 +264,16 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   call = functools.partial(attention, score_mod=score_mod, mask_mod=mask_mod,
                            rownorm=rownorm, sinks=sinks, interpret=interpret)
 
-  if template == "forward":
+  if template == "decode":
+    from pallas_attn.decode import decode_attention
+    call = functools.partial(decode_attention, score_mod=score_mod, mask_mod=mask_mod,
+                             rownorm=rownorm, sinks=sinks, interpret=interpret)
+    lengths = jnp.full((shape.batch,), shape.seq_kv, jnp.int32)
+
+    def build(config):
+      forward = jax.jit(functools.partial(call, config=config))
+      return lambda: forward(q, k, v, lengths)
+  elif template == "forward":
     def build(config):
       forward = jax.jit(functools.partial(call, config=config))
       return lambda: forward(q, k, v)
