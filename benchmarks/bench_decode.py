@@ -3,8 +3,8 @@
 Run on the GPU machine: `python benchmarks/bench_decode.py --out DIR`. Writes
 DIR/decode.json after every measurement and prints a table last. `--small`
 runs tiny shapes (on CPU: interpret mode, no cuDNN or Flex). `--sweep` also
-times the split-KV template over block_k x num_stages x num_splits at the
-two target shapes, for the schedule's defaults.
+times the split-KV template over block_k x num_stages, and over split
+counts, at the two target shapes, for the schedule's defaults.
 
 Shapes (bf16, Hq 32, Hkv 8, d 128, every sequence holding the whole cache):
 Sq 1 at B8 8k, B8 32k, B1 128k, B64 4k; Sq 4 at B8 32k and B1 128k; a
@@ -218,27 +218,31 @@ def rel_err(x, ref):
 
 
 def sweep(case, shape, q, k, v, lengths, deadline):
-  """Split-KV times over block_k x num_stages x num_splits (x1/2, x1, x2 of
-  the schedule's) at one shape: {config string: ms}."""
+  """Split-KV times at one shape: block_k x num_stages at the schedule's
+  split count, then x1/2, x2 and x4 the splits at the schedule's tiles:
+  {config: {ms, kernel_ms}}."""
   from pallas_attn.decode import resolve_config
   default = resolve_config(None, pa.analyze_variant(), q, k.shape, v.shape)
   out = {"default": str(default)}
-  for block_k in (64, 128, 256):
-    for stages in (2, 3, 4):
-      for splits in sorted({max(1, default.num_splits // 2), default.num_splits,
-                            2 * default.num_splits}):
-        if elapsed() > deadline:
-          out["cut_by_budget"] = True
-          return out
-        cfg = pa.DecodeConfig(block_k=block_k, num_stages=stages, num_splits=splits)
-        label = f"block_k={block_k} num_stages={stages} num_splits={splits}"
-        try:
-          ms, kms, _, _ = time_jax(lambda q, k, v, n: pa.decode_attention(q, k, v, n, config=cfg),
-                                   (q, k, v, lengths))
-          out[label] = {"ms": ms, "kernel_ms": kms}
-        except Exception as e:
-          out[label] = {"error": describe(e)}
-        print(json.dumps({"sweep": case["name"], label: out[label]}), flush=True)
+  configs = [pa.DecodeConfig(block_k=bk, num_stages=st, num_splits=default.num_splits)
+             for bk in (64, 128, 256) for st in (2, 3, 4)]
+  configs += [pa.DecodeConfig(block_k=default.block_k, num_stages=default.num_stages,
+                              num_splits=n)
+              for n in sorted({max(1, default.num_splits // 2), 2 * default.num_splits,
+                               4 * default.num_splits} - {default.num_splits})]
+  for cfg in configs:
+    if elapsed() > deadline:
+      out["cut_by_budget"] = True
+      break
+    label = f"block_k={cfg.block_k} num_stages={cfg.num_stages} num_splits={cfg.num_splits}"
+    try:
+      ms, kms, _, _ = time_jax(
+          lambda q, k, v, n, cfg=cfg: pa.decode_attention(q, k, v, n, config=cfg),
+          (q, k, v, lengths))
+      out[label] = {"ms": ms, "kernel_ms": kms}
+    except Exception as e:
+      out[label] = {"error": describe(e)}
+    print(json.dumps({"sweep": case["name"], label: out[label]}), flush=True)
   return out
 
 

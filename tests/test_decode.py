@@ -177,14 +177,19 @@ def test_window_splits_only_the_window():
 
 
 def test_schedule_fills_the_gpu():
-  """Splits fill ~4 programs per SM, keep >= 4 blocks each, and one split
-  where batch x kv heads already fill the GPU."""
-  from pallas_attn.schedule.config import heuristic_decode_config
-  one = heuristic_decode_config(1, 8, 4, 131072, 128, 128, sm_count=132)
-  assert (one.block_k, one.num_splits, one.block_rows) == (128, 66, 16)
-  assert heuristic_decode_config(64, 8, 4, 4096, 128, 128, sm_count=132).num_splits == 2
-  assert heuristic_decode_config(1, 8, 4, 1024, 128, 128, sm_count=132).num_splits == 2
+  """The fewest splits that make >= 2 waves of programs over the SMs and
+  fill >= 90% of the last one; one split where batch x kv heads do."""
+  from pallas_attn.schedule.config import decode_splits, heuristic_decode_config
+  one = heuristic_decode_config(1, 8, 4, 131072, 128, 128, sm_count=132,
+                                smem_per_block=227 * 1024)
+  assert (one.block_k, one.num_splits, one.block_rows, one.num_stages) == (128, 30, 16, 3)
+  # 30 splits of ceil(1024 / 30) = 35 blocks: 30 working, 240 programs in 2 waves of 132.
+  assert decode_splits(8, 1024, 132) == 30
+  assert decode_splits(512, 32, 132) == 1
+  assert decode_splits(64, 256, 264) == 8
   assert heuristic_decode_config(1, 8, 4, 1024, 128, 128, sm_count=None).num_splits == 1
+  wide = heuristic_decode_config(1, 8, 4, 4096, 256, 256, itemsize=4, sm_count=132)
+  assert wide.block_k == 32  # 3 stages of K/V tiles within 192 KiB
 
 
 def test_bad_input_errors():

@@ -1,7 +1,7 @@
 """The split-KV (flash-decoding) forward template.
 
 Decoding runs a few query tokens against a long KV cache: the work is
-reading the cache. One program per (split, batch, kv head, row block)
+reading the cache. One program per (row block, split, batch, kv head)
 folds a contiguous run of the sequence's key blocks into the online row
 state of the variant's rownorm class, for a tile whose rows are the query
 heads of the kv head's GQA group times the query tokens (row
@@ -105,8 +105,9 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
   out_ref, stats_ref = refs
   cfg, group = plan.config, plan.group
   bk, block_rows = cfg.block_k, cfg.block_rows
-  split, b, head_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  kv_head, row_block = head_block // plan.row_blocks, head_block % plan.row_blocks
+  # Row blocks of one split launch together, so that the later ones find its keys in L2.
+  split, row_block = pl.program_id(0) // plan.row_blocks, pl.program_id(0) % plan.row_blocks
+  b, kv_head = pl.program_id(1), pl.program_id(2)
   online, tile = plan.online, plan.tile
 
   kv_len = jnp.clip(lengths_ref[...], 0, plan.max_length)
@@ -184,26 +185,24 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
 
 
 def _input_specs(plan: DecodePlan, num_pages, max_pages, ranges_shape, capture_arrays):
-  """BlockSpecs of the inputs, for the grid (split, b, kv head x row block)."""
-  blocks = plan.row_blocks
-  kv_head = lambda hb: hb // blocks
+  """BlockSpecs of the inputs, for the grid (split x row block, b, kv head)."""
   d_qk, d_v, group, seq_q = plan.d_qk, plan.d_v, plan.group, plan.seq_q
-  specs = [pl.BlockSpec((None,), lambda s, b, hb: (b,))]
+  specs = [pl.BlockSpec((None,), lambda i, b, h: (b,))]
   if ranges_shape is not None:
     per_head = ranges_shape[1] > 1
     specs.append(pl.BlockSpec((None, None, 2),
-                              lambda s, b, hb: (b, kv_head(hb) if per_head else 0, 0)))
+                              lambda i, b, h: (b, h if per_head else 0, 0)))
   if plan.page_size:
-    specs.append(pl.BlockSpec((None, max_pages), lambda s, b, hb: (b, 0)))
+    specs.append(pl.BlockSpec((None, max_pages), lambda i, b, h: (b, 0)))
   specs.append(pl.BlockSpec((None, seq_q, None, group, d_qk),
-                            lambda s, b, hb: (b, 0, kv_head(hb), 0, 0)))
+                            lambda i, b, h: (b, 0, h, 0, 0)))
   for d in (d_qk, d_v):
     if plan.page_size:
       specs.append(pl.BlockSpec((num_pages, plan.page_size, None, d),
-                                lambda s, b, hb: (0, 0, kv_head(hb), 0)))
+                                lambda i, b, h: (0, 0, h, 0)))
     else:
       specs.append(pl.BlockSpec((None, plan.max_length, None, d),
-                                lambda s, b, hb: (b, 0, kv_head(hb), 0)))
+                                lambda i, b, h: (b, 0, h, 0)))
   specs += [tiles.capture_block_spec(op, x.shape, blocked="q", block=1)
             for op, x in zip(plan.operands, capture_arrays)]
   return specs
@@ -233,29 +232,28 @@ def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, *, plan
     inputs.append(page_table.astype(jnp.int32))
   inputs += [q5, k, v, *capture_arrays]
   sink2 = None if sinks is None else sinks.astype(jnp.float32) * LOG2E
-  grid = (cfg.num_splits, batch, heads_kv * plan.row_blocks)
+  grid = (cfg.num_splits * plan.row_blocks, batch, heads_kv)
   blocks = plan.row_blocks
-  kv_head = lambda hb: hb // blocks
   d_v = plan.d_v
   if plan.finalizes:
     if sink2 is not None:
       inputs.append(sink2)
-      in_specs.append(pl.BlockSpec((heads,), lambda s, b, hb: (0,)))
+      in_specs.append(pl.BlockSpec((heads,), lambda i, b, h: (0,)))
     out_shape = [jax.ShapeDtypeStruct((batch, seq_q, heads_kv, group, d_v), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads_kv, group, seq_q), jnp.float32)]
     out_specs = [pl.BlockSpec((None, seq_q, None, group, d_v),
-                              lambda s, b, hb: (b, 0, kv_head(hb), 0, 0)),
+                              lambda i, b, h: (b, 0, h, 0, 0)),
                  pl.BlockSpec((None, None, group, seq_q),
-                              lambda s, b, hb: (b, kv_head(hb), 0, 0))]
+                              lambda i, b, h: (b, h, 0, 0))]
   else:
     rows, splits = plan.rows, cfg.num_splits
     num_stats = max(plan.online.num_partial_statistics, 1)  # elementwise: unused
     out_shape = [jax.ShapeDtypeStruct((batch, heads_kv, splits, rows, d_v), jnp.float32),
                  jax.ShapeDtypeStruct((batch, heads_kv, splits, num_stats, rows), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, None, rows, d_v),
-                              lambda s, b, hb: (b, kv_head(hb), s, 0, 0)),
+                              lambda i, b, h: (b, h, i // blocks, 0, 0)),
                  pl.BlockSpec((None, None, None, num_stats, rows),
-                              lambda s, b, hb: (b, kv_head(hb), s, 0, 0))]
+                              lambda i, b, h: (b, h, i // blocks, 0, 0))]
   call = backend.pallas_call(
       functools.partial(_decode_kernel, plan=plan),
       out_shape=out_shape,

@@ -121,7 +121,8 @@ class DecodeConfig:
 MAX_DECODE_ROWS = 64  # default row tile: 64 x 128 float32 accumulators on 4 warps
 DECODE_STAGES = 3
 DECODE_SMEM = 192 * 1024  # bytes of pipelined K/V tiles the default block_k stays within
-DECODE_WAVES = 4  # programs per SM the split count aims for: tail effects stay small
+MIN_DECODE_WAVES = 2  # programs per slot (SM x programs an SM holds) at least
+DECODE_WAVE_FILL = 0.9  # the fraction of the last wave's slots the split count fills
 MIN_BLOCKS_PER_SPLIT = 4  # a split's fixed costs (q load, partial write) stay amortized
 
 
@@ -134,20 +135,21 @@ def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d
   Decoding reads every cached key once and computes little on it, so the
   schedule is about bandwidth: the largest key tile up to 128 whose
   `DECODE_STAGES` pipelined K/V copies fit `DECODE_SMEM` (and the device's
-  shared memory), and enough programs to keep every SM streaming. Programs
-  are batch x kv heads x row blocks x splits; the splits fill up to
-  `DECODE_WAVES` programs per SM (sm_count from schedule/device.py; None,
-  e.g. interpret mode, takes one split), keeping at least
-  `MIN_BLOCKS_PER_SPLIT` key blocks of the `seq_kv`-key cache per split.
-  `rows` is the query heads per kv head times the query tokens; head dims
-  count as padded to powers of two.
+  shared memory), and programs that keep every SM streaming to the end.
+  Programs are batch x kv heads x row blocks x splits of the `seq_kv`-key
+  cache; the split count (`decode_splits`) is the smallest that makes at
+  least `MIN_DECODE_WAVES` waves over the device's program slots and fills
+  `DECODE_WAVE_FILL` of the last one (sm_count from schedule/device.py;
+  None, e.g. interpret mode, takes one split). `rows` is the query heads
+  per kv head times the query tokens; head dims count as padded to powers
+  of two.
   """
   base = base or DecodeConfig()
   d_qk, d_v = (max(16, next_power_of_2(d)) for d in (d_qk, d_v))
   stages = base.num_stages or DECODE_STAGES
+  budget = min(DECODE_SMEM, smem_per_block or DECODE_SMEM)
   block_k = base.block_k
   if block_k is None:
-    budget = min(DECODE_SMEM, smem_per_block or DECODE_SMEM)
     block_k = 128
     while block_k > 16 and stages * block_k * (d_qk + d_v) * itemsize > budget:
       block_k //= 2
@@ -155,13 +157,31 @@ def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d
   block_rows = base.block_rows or clamp_block(MAX_DECODE_ROWS, rows)
   num_splits = base.num_splits
   if num_splits is None:
-    programs = batch * heads_kv * -(-rows // block_rows)
-    wanted = -(-DECODE_WAVES * (sm_count or 0) // programs)
-    most = max(1, -(-seq_kv // block_k) // MIN_BLOCKS_PER_SPLIT)
-    num_splits = max(1, min(wanted, most))
+    smem = (stages * block_k * (d_qk + d_v) + block_rows * d_qk) * itemsize
+    per_sm = max(1, (smem_per_block or smem) // smem)
+    num_splits = decode_splits(batch * heads_kv * -(-rows // block_rows),
+                               -(-seq_kv // block_k), (sm_count or 0) * per_sm)
   return dataclasses.replace(base, block_k=block_k, num_splits=num_splits,
                              block_rows=block_rows, num_stages=stages)
 
+
+def decode_splits(programs: int, key_blocks: int, slots: int) -> int:
+  """The splits of `key_blocks` key blocks for `programs` programs per
+  split on `slots` program slots (0: one split). A split takes
+  `ceil(key_blocks / splits)` blocks, so only `ceil(key_blocks / that)`
+  splits have work; waves count those programs."""
+  most = max(1, key_blocks // MIN_BLOCKS_PER_SPLIT)
+  best, best_fill = 1, 0.0
+  for splits in range(1, most + 1) if slots else ():
+    per_split = -(-key_blocks // splits)
+    working = programs * -(-key_blocks // per_split)
+    waves = -(-working // slots)
+    fill = working / (waves * slots)
+    if waves >= MIN_DECODE_WAVES and fill >= DECODE_WAVE_FILL:
+      return splits
+    if fill > best_fill + 1e-9 or waves < MIN_DECODE_WAVES:
+      best, best_fill = splits, fill
+  return best
 
 MAX_DECODE_QUERIES = 16  # query tokens per sequence the split-KV template takes
 SPLIT_KV_MIN_KEYS = 256
