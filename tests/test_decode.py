@@ -91,19 +91,25 @@ VARIANTS = {
     "bias_table": lambda: V.Variant(  # gathers: per-head, per-key and relative-position reads
         "bias_table", score_mod=lambda s, b, h, qi, ki: (
             s + BIAS[b, h, ki] + TABLE[h, jnp.clip(qi - ki, 0, 7)])),
+    "head_windows": lambda: V.Variant(  # live key blocks per kv head
+        "head_windows", mask_mod=lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 6 * (h + 1))),
 }
+ONE_SPLIT = pa.DecodeConfig(block_k=16, num_splits=1)  # the kernel finalizes (no combine)
+CASES = [(name, SPLITS) for name in VARIANTS] + [
+    (name, ONE_SPLIT) for name in ("sink", "retention", "sigmoid")]
 BIAS = random((3, 4, S_MAX), seed=11)
 TABLE = random((4, 8), seed=12)
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_variants(name, interpret):
+@pytest.mark.parametrize("name,config", CASES,
+                         ids=[f"{n}-{c.num_splits}-splits" for n, c in CASES])
+def test_variants(name, config, interpret):
   variant = VARIANTS[name]()
   q, k, v = inputs(seq_q=2)
   lengths = lengths_for(2)
   out = pa.decode_attention(q, poisoned(k, lengths), poisoned(v, lengths), lengths,
-                            config=SPLITS, interpret=interpret, **variant.kwargs())
+                            config=config, interpret=interpret, **variant.kwargs())
   fill = 0.0 if name == "retention" else -jnp.inf
   assert_close(out, reference(q, k, v, lengths, masked_fill=fill, **variant.kwargs()))
 
@@ -232,3 +238,18 @@ def test_traced_lengths_and_table():
   v_pages, _ = to_pages(v, lengths, 16, seed=2)
   run = jax.jit(lambda *a: pa.paged_attention(*a, config=SPLITS, **V.causal().kwargs()))
   assert_close(run(q, k_pages, v_pages, table, lengths), reference(q, k, v, lengths))
+
+
+def test_tuner_covers_the_split_kv_template(tmp_path, monkeypatch):
+  """`tune_attention(template="decode")` times split-KV configs and stores
+  the winner, which decode_attention then uses."""
+  from pallas_attn.schedule import cache, tuner
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "tuning.json"))
+  shapes = (2, 1, 4, 16), (2, 64, 2, 16), (2, 64, 2, 16)
+  result = tuner.tune_attention(*shapes, dtype="float32", template="decode",
+                                max_candidates=2, budget_s=60)
+  assert isinstance(result.best, pa.DecodeConfig) and result.best.num_splits >= 1
+  q, k, v = inputs(batch=2, seq=64)
+  assert decode.resolve_config(None, pa.analyze_variant(), q, k.shape, v.shape) == result.best
+  with pytest.raises(ValueError, match="1 to 16 query tokens"):
+    tuner.tune_attention((2, 32, 4, 16), *shapes[1:], template="decode")

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn.schedule import cache
+from pallas_attn.schedule.config import MAX_DECODE_QUERIES
 from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, ProblemShape,
                                                default_config, format_config,
@@ -266,6 +267,9 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
 
   if template == "decode":
     from pallas_attn.decode import decode_attention
+    if shape.seq_q > MAX_DECODE_QUERIES:
+      raise ValueError(f"the split-KV template takes 1 to {MAX_DECODE_QUERIES} query tokens; "
+                       f"q_shape has {shape.seq_q}")
     call = functools.partial(decode_attention, score_mod=score_mod, mask_mod=mask_mod,
                              rownorm=rownorm, sinks=sinks, interpret=interpret)
     lengths = jnp.full((shape.batch,), shape.seq_kv, jnp.int32)
