@@ -18,7 +18,8 @@ Rows per shape:
 * parallel: `pa.attention` with the parallel template's heuristic config
   (no dispatch: the path before issue 17);
 * cudnn: `jax.nn.dot_product_attention(implementation="cudnn")` with
-  `key_value_seq_lengths` (without, if cuDNN refuses them); for the window,
+  `query_seq_lengths` / `key_value_seq_lengths` (without, if cuDNN refuses
+  them: `cudnn_lengths` in the JSON says so); for the window,
   on the window's keys sliced beforehand (the same work, no mask);
 * flex: PyTorch's `flex_attention` (torch.compile'd, `enable_gqa`, the
   window as a block mask built once), in this process on the same GPU.
@@ -131,15 +132,14 @@ def jax_rows(case, shape, q, k, v, lengths):
       "parallel": (lambda q, k, v: pa.attention(q, k, v, config=parallel_cfg, **aligned),
                    (q, k, v)),
   }
+  queries = jnp.full_like(lengths, seq_q)
+  cudnn = lambda q, k, v, n: jax.nn.dot_product_attention(
+      q, k, v, query_seq_lengths=queries, key_value_seq_lengths=n, implementation="cudnn")
   if "window" in case:  # cuDNN on the window's keys: the same work
     first = seq - keys_read(case)
-    kw_, vw = k[:, first:], v[:, first:]
-    rows["cudnn"] = (lambda q, k, v, n: jax.nn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=n, implementation="cudnn"),
-        (q, kw_, vw, jnp.full_like(lengths, seq - first)))
+    rows["cudnn"] = (cudnn, (q, k[:, first:], v[:, first:], jnp.full_like(lengths, seq - first)))
   else:
-    rows["cudnn"] = (lambda q, k, v, n: jax.nn.dot_product_attention(
-        q, k, v, key_value_seq_lengths=n, implementation="cudnn"), (q, k, v, lengths))
+    rows["cudnn"] = (cudnn, (q, k, v, lengths))
   return rows
 
 

@@ -135,10 +135,13 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
   fold = plan.folds_log2
   qk_scale = plan.scale * LOG2E if fold else plan.scale
 
-  def key_index(kv_start, tail: bool, sliced: bool):
-    """Index tuple of a block's keys in the K/V refs (before the columns):
-    a slice where `sliced` and the keys are contiguous, else positions."""
-    if sliced and not plan.page_size and not tail:
+  slices = not plan.page_size and (d_qk, d_v) == (plan.d_qk, plan.d_v)
+
+  def key_index(kv_start, tail: bool):
+    """The leading index of one block's keys in the K/V refs: a slice of a
+    contiguous cache (whole rows, off the ragged tail), else positions, the
+    tail's clamped to the last key, through the table of a paged cache."""
+    if slices and not tail:
       return (pl.ds(kv_start, bk),)
     positions = tiles.tile_indices(kv_start, bk, axis=0)
     if tail:  # past the length: the last key again (masked below)
@@ -148,16 +151,13 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
     page = jnp.clip(table_ref[positions // plan.page_size], 0, k_ref.shape[0] - 1)
     return (page, positions % plan.page_size)
 
-  def load(ref, kv_start, tail, cols, width, true_width):
-    if width == true_width:
-      index = key_index(kv_start, tail, sliced=True)
-      return ref[index + ((slice(None),) if isinstance(index[0], pl.Slice) else (cols,))]
-    return ref[key_index(kv_start, tail, sliced=False) + (cols,)]
+  def load(ref, index, cols):
+    return ref[index + ((slice(None),) if isinstance(index[0], pl.Slice) else (cols,))]
 
   def fold_block(kv_block, state, tail: bool):
     kv_start = pl.multiple_of(kv_block * bk, bk)
-    k = load(k_ref, kv_start, tail, qk_cols, d_qk, plan.d_qk)
-    v = load(v_ref, kv_start, tail, v_cols, d_v, plan.d_v)
+    index = key_index(kv_start, tail)
+    k, v = load(k_ref, index, qk_cols), load(v_ref, index, v_cols)
     s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * qk_scale
     kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
     s = tile.score(s, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
