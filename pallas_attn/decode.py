@@ -77,9 +77,9 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
 
   Page indices of the pages a sequence uses (those below its length) must
   be in [0, num_pages): checked when the table and lengths are concrete;
-  traced indices are clamped into the pages (a wrong index reads another
-  page, never out of bounds). Entries past a sequence's length are not
-  read. Forward only, as `decode_attention`.
+  otherwise indices are clamped into the pages (a wrong index reads another
+  page, never out of bounds). Entries past a sequence's length are never
+  read (padding such as -1 is fine). Forward only, as `decode_attention`.
   """
   _validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
   if (getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != q.shape[0]
@@ -142,13 +142,12 @@ def _checked_lengths(kv_lengths, seq_q: int, max_length: int):
 
 def _check_pages(page_table, lengths, page_size: int, num_pages: int):
   """Raises for a page index outside [0, num_pages) among the pages the
-  sequences use, where the table (and lengths) are concrete."""
-  if not is_concrete(page_table):
+  sequences use, where the table and the lengths are concrete (which pages
+  a sequence uses depends on its length)."""
+  if not (is_concrete(page_table) and is_concrete(lengths)):
     return
   table = np.asarray(page_table)
   used = np.arange(table.shape[1])[None, :] < -(-np.asarray(lengths)[:, None] // page_size)
-  if not is_concrete(lengths):
-    used = np.ones_like(table, bool)
   bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
   if bad.size:
     b, slot = (int(i) for i in bad[0])
@@ -301,6 +300,6 @@ def describe_dispatch(analysis: VariantAnalysis, q_shape, k_shape, v_shape, dtyp
     return "forward template: parallel (one program per query block, batch and head)"
   q = jax.ShapeDtypeStruct(q_shape, dtype)
   cfg = resolve_config(None, analysis, q, k_shape, v_shape)
-  return (f"forward template: split-KV decoding (tiles of {q_shape[2] // k_shape[2]} query "
+  return (f"forward template: split-KV decoding on triton (tiles of {q_shape[2] // k_shape[2]} query "
           f"heads x {q_shape[1]} tokens, keys split {cfg.num_splits} ways; "
           f"{search_space.format_config(cfg)}; differentiated: the parallel template)")
