@@ -1,9 +1,10 @@
 """pallas_attn: attention variants written as plain JAX, compiled to fused Pallas kernels."""
 from pallas_attn.api import attention
+from pallas_attn.decode import decode_attention, paged_attention
 from pallas_attn.kernels.block_mask import BlockMask, block_mask
 from pallas_attn.linear import linear_attention, linear_attention_step
 from pallas_attn.reference import attention_reference
-from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
+from pallas_attn.schedule.config import AttentionConfig, DecodeConfig, LinearAttentionConfig
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.trace import VariantError
 from pallas_attn import variants
@@ -11,6 +12,6 @@ from pallas_attn import variants
 __all__ = [
     "attention", "attention_reference", "BlockMask", "block_mask", "linear_attention",
     "linear_attention_step", "AttentionConfig", "LinearAttentionConfig", "analyze_variant",
-    "VariantError", "variants",
+    "VariantError", "variants", "decode_attention", "paged_attention", "DecodeConfig",
 ]
 __version__ = "0.1.0"

@@ -138,6 +138,11 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   Differentiable (`jax.custom_vjp`; dq, dk, dv and the gradients of float
   arrays score_mod closes over come from Pallas kernels that recompute the
   scores from the saved row statistics).
+
+  A few queries (Sq <= 16, Skv >= 256; `schedule.config.prefers_split_kv`)
+  with no config, implementation or block_mask given run the forward on the
+  split-KV decoding template (`decode_attention`'s; `pallas-attn explain`
+  says which ran); differentiated, such a call runs the parallel template.
   """
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
@@ -150,7 +155,12 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   bwd_cfg = resolve_config(bwd_config,
                            "backward_mosaic" if lowering.backward == mosaic else "backward",
                            analysis, q, k, v)
-  block_masks = _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret)
+  split_kv = None  # a few queries: the split-KV template (pallas_attn/decode.py)
+  if config in (None, "auto") and implementation is None and block_mask is None:
+    from pallas_attn import decode  # imports this module
+    split_kv = decode.split_kv_call(analysis, q, k, v, scale, interpret)
+  block_masks = (None if split_kv else
+                 _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret))
   if block_masks is not None:
     fwd_mask, bwd_mask = block_masks
     if forward_template == "forward_mosaic":
@@ -165,7 +175,9 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
                  for prog in (analysis.score_mod, analysis.mask_mod))
   call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,
                lowering.forward, lowering.backward)
-  out, stat = _attention(q, k, v, consts, block_masks, sinks, call=call)
+  core = (_attention if split_kv is None else
+          functools.partial(decode.split_kv_attention, split_kv=split_kv, dense=_attention))
+  out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else stat)

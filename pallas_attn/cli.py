@@ -104,13 +104,18 @@ def _chosen_config(template: str, analysis, shape: ProblemShape):
 
 
 def _running_templates(analysis, shape: ProblemShape) -> list[str]:
-  """The forward and backward templates `attention` runs here for this call."""
+  """The forward and backward templates `attention` runs here for this call
+  (the split-KV template's forward for a few queries)."""
+  from pallas_attn import decode
   from pallas_attn.kernels import backend, lowering
   choice = lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                            backend.default_interpret())
-  return [name + ("_mosaic" if pass_lowering == lowering.MOSAIC_GPU else "")
-          for name, pass_lowering in (("forward", choice.forward),
-                                      ("backward", choice.backward))]
+  templates = [name + ("_mosaic" if pass_lowering == lowering.MOSAIC_GPU else "")
+               for name, pass_lowering in (("forward", choice.forward),
+                                           ("backward", choice.backward))]
+  if decode.prefers_split_kv(shape.seq_q, shape.seq_kv):
+    templates[0] = "decode"
+  return templates
 
 
 def _progress(line: str) -> None:
@@ -176,7 +181,10 @@ def cmd_explain(args) -> int:
   from pallas_attn.kernels import backend, lowering
   print(lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                         backend.default_interpret()).describe())
-  if analysis.mask_mod is not None:
+  from pallas_attn import decode
+  print(decode.describe_dispatch(analysis, shape.q_shape, shape.k_shape, shape.v_shape,
+                                 shape.dtype))
+  if analysis.mask_mod is not None and not decode.prefers_split_kv(shape.seq_q, shape.seq_kv):
     from pallas_attn.kernels.block_mask import describe_build
     print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))
   if sinks is not None:

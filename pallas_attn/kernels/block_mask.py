@@ -458,6 +458,48 @@ def bound_classes(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_
   return jnp.broadcast_to(classes.astype(jnp.int32), extents)
 
 
+def live_kv_blocks(analysis: VariantAnalysis, consts, lengths, first_query, seq_q: int,
+                   heads_kv: int, group: int, block_k: int, num_blocks: int):
+  """`[B, Hm, 2]` int32: per sequence (and kv head, where mask_mod reads h)
+  the first kv block, and one past the last, that mask_mod may keep for
+  one of its queries, by the tile bounds; None where no bound reaches
+  mask_mod's result. For the split-KV template, which splits only these
+  blocks (a window over a long cache reads the window).
+
+  Sequence b's queries sit at `first_query[b] + [0, seq_q)`, its keys at
+  `[0, lengths[b])`; a kv head's queries are heads `[j * group, (j + 1) *
+  group)`. `consts`: mask_mod's captured arrays. Those read by b, kv and
+  constants are bounded per block; other reads are unknown (sound, and
+  then decide nothing).
+  """
+  prog = analysis.mask_mod
+  batch = lengths.shape[0]
+  heads = heads_kv if "h" in analysis.mask_deps else 1
+  int32 = np.dtype(np.int32)
+  column = lambda x: jnp.asarray(x, jnp.int32).reshape(batch, 1, 1, 1)
+  lengths, first_query = column(lengths), column(first_query)
+  batches = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1)
+  kv_head = jnp.arange(heads, dtype=jnp.int32).reshape(1, heads, 1, 1)
+  starts = jnp.arange(num_blocks, dtype=jnp.int32).reshape(1, 1, 1, num_blocks) * block_k
+  ends = jnp.maximum(jnp.minimum(starts + block_k, lengths) - 1, starts)
+  inputs = (_Range(batches, batches, _i32(1), int32),
+            _Range(kv_head * group, kv_head * group + group - 1, _i32(1), int32),
+            _Range(first_query, first_query + seq_q - 1, _i32(1), int32),
+            _Range(starts, ends, _i32(1), int32))
+  loads = [_UNKNOWN if {"h", "q"} & set(use.axes) else
+           _capture_bound(consts[use.capture], use, (batch, 1, 1, num_blocks),
+                          (1, block_k)) for use in prog.uses]
+  bound = _tile_bounds(prog, inputs, loads)
+  if bound is None:
+    return None
+  live = (bound[1] == 1) & (starts < lengths)
+  live = jnp.broadcast_to(live, (batch, heads, 1, num_blocks))[:, :, 0]
+  first = jnp.argmax(live, axis=-1)
+  end = num_blocks - jnp.argmax(live[..., ::-1], axis=-1)
+  alive = jnp.any(live, axis=-1)
+  return jnp.stack([jnp.where(alive, first, 0), jnp.where(alive, end, 0)], -1).astype(jnp.int32)
+
+
 def _classify_kernel(*refs, analysis, operands, block_q, block_k, seq_q, seq_kv, num_kv_blocks,
                      known):
   """Classes of one q block's tiles against `KV_BLOCKS_PER_PROGRAM` kv blocks,

@@ -201,3 +201,39 @@ class OnlineRowNorm:
     """h(stats) for the normalized class, as a row value (see RowLayout)."""
     h = run_row_program(self.rownorm.factor, *stats)
     return jnp.broadcast_to(h.astype(jnp.float32), stats[0].shape)
+
+  @property
+  def num_partial_statistics(self) -> int:
+    """Rows of `partial_statistics`."""
+    return {"softmax": 2, "elementwise": 0}.get(self.kind, len(self.rownorm.stats))
+
+  def partial_statistics(self, state) -> tuple:
+    """The row values a split of the keys hands to `merge` besides its
+    accumulator: softmax's running max (log2 units) and sum, the normalized
+    class's raw row statistics, nothing for elementwise rownorms."""
+    if self.kind == "softmax":
+      return state[1:]
+    return tuple(state[1])
+
+  def merge(self, acc, statistics, sink2=None):
+    """One state from the partial states of disjoint runs of a row's keys,
+    stacked on axis 0 (flash-decoding's combine step): accumulators add,
+    softmax rescales each part to the common max first (log-sum-exp), and
+    a sink (a log2 logit) joins once, as one more term; the normalized
+    class's sums add and maxes take the largest. `finalize` the result.
+    An empty part (max -inf, sum 0) adds nothing."""
+    if self.kind == "softmax":
+      m, l = statistics
+      m_new = jnp.max(m, axis=0)
+      if sink2 is not None:
+        m_new = jnp.maximum(m_new, sink2)
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      weight = jnp.exp2(m - m_safe)
+      l_new = jnp.sum(l * weight, axis=0)
+      if sink2 is not None:
+        l_new = l_new + jnp.exp2(sink2 - m_safe)
+      return jnp.sum(self.rescale(acc, weight), axis=0), m_new, l_new
+    reduce = {"sum": jnp.sum, "max": jnp.max}
+    stats = tuple(reduce[st.reducer](value, axis=0)
+                  for st, value in zip(self.rownorm.stats, statistics))
+    return jnp.sum(acc, axis=0), stats, ()

@@ -106,6 +106,40 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
   return arrays, tuple(operands)
 
 
+def gathered_per_row(analysis: VariantAnalysis) -> VariantAnalysis:
+  """The analysis with every captured read that a head or query index
+  addresses turned into a gather (its 'h', 'q' and 'kv' axes read at the
+  tile's indices, as `CaptureUse` gathers are).
+
+  For templates whose tile rows are not one head's consecutive queries:
+  the split-KV template packs the query heads of a GQA group and their
+  query tokens into one tile's rows, so `h` and `q_idx` are per-row
+  columns there, not a program's block. Reads by b, kv and constants only
+  keep their blocked loads.
+  """
+  def convert(prog):
+    if prog is None:
+      return None
+    index_var = dict(zip(prog.inputs, prog.traced.jaxpr.invars))
+    uses = []
+    for use in prog.uses:
+      if not use.is_gather and not {"h", "q"} & set(use.axes):
+        uses.append(use)
+        continue
+      gathered, axes, index_vars = iter(use.index_vars), [], []
+      for axis in use.axes:
+        if axis == GATHERED or axis in ("h", "q", "kv"):
+          axes.append(GATHERED)
+          index_vars.append(next(gathered) if axis == GATHERED else index_var[axis])
+        else:
+          axes.append(axis)
+      uses.append(dataclasses.replace(use, axes=tuple(axes), index_vars=tuple(index_vars)))
+    return dataclasses.replace(prog, uses=tuple(uses))
+
+  return dataclasses.replace(analysis, score_mod=convert(analysis.score_mod),
+                             mask_mod=convert(analysis.mask_mod))
+
+
 def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: int,
                        head_block: int = 1):
   """BlockSpec for a grid `(i, b, h)` where `i` blocks the `blocked` axis

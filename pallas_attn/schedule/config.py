@@ -89,3 +89,114 @@ class LinearAttentionConfig:
   @classmethod
   def from_dict(cls, d: dict) -> "LinearAttentionConfig":
     return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tiles and launch parameters of the split-KV (decoding) template.
+
+  block_k: keys per inner-loop step; num_splits: programs that share one
+  sequence's keys (each folds a contiguous run of key blocks; the runs are
+  merged afterwards); block_rows: packed query rows per program (the query
+  heads of one kv head times the query tokens; more rows take several
+  programs, each reading the keys again); num_warps / num_stages: Triton
+  launch and software-pipelining depth. Fields left None come from the
+  schedule (`heuristic_decode_config`).
+  """
+  block_k: int | None = None
+  num_splits: int | None = None
+  block_rows: int | None = None
+  num_warps: int = 4
+  num_stages: int | None = None
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "DecodeConfig":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+MAX_DECODE_ROWS = 64  # default row tile: 64 x 128 float32 accumulators on 4 warps
+DECODE_STAGES = 3
+DECODE_SMEM = 192 * 1024  # bytes of pipelined K/V tiles the default block_k stays within
+MIN_DECODE_WAVES = 2  # programs per slot (SM x programs an SM holds) at least
+DECODE_WAVE_FILL = 0.9  # the fraction of the last wave's slots the split count fills
+MIN_BLOCKS_PER_SPLIT = 4  # a split's fixed costs (q load, partial write) stay amortized
+
+
+def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d_qk: int,
+                            d_v: int, *, itemsize: int = 2, sm_count: int | None = None,
+                            smem_per_block: int | None = None,
+                            base: DecodeConfig | None = None) -> DecodeConfig:
+  """The split-KV schedule: `base`'s fields where set, the rest from the shape.
+
+  Decoding reads every cached key once and computes little on it, so the
+  schedule is about bandwidth: the largest key tile up to 128 whose
+  `DECODE_STAGES` pipelined K/V copies fit `DECODE_SMEM` (and the device's
+  shared memory), and programs that keep every SM streaming to the end.
+  Programs are batch x kv heads x row blocks x splits of the `seq_kv`-key
+  cache; the split count (`decode_splits`) is the smallest that makes at
+  least `MIN_DECODE_WAVES` waves over the device's program slots and fills
+  `DECODE_WAVE_FILL` of the last one (sm_count from schedule/device.py;
+  None, e.g. interpret mode, takes one split). `rows` is the query heads
+  per kv head times the query tokens; head dims count as padded to powers
+  of two.
+  """
+  base = base or DecodeConfig()
+  d_qk, d_v = (max(16, next_power_of_2(d)) for d in (d_qk, d_v))
+  stages = base.num_stages or DECODE_STAGES
+  budget = min(DECODE_SMEM, smem_per_block or DECODE_SMEM)
+  block_k = base.block_k
+  if block_k is None:
+    block_k = 128
+    while block_k > 16 and stages * block_k * (d_qk + d_v) * itemsize > budget:
+      block_k //= 2
+  block_k = clamp_block(block_k, seq_kv)
+  block_rows = base.block_rows or clamp_block(MAX_DECODE_ROWS, rows)
+  num_splits = base.num_splits
+  if num_splits is None:
+    smem = (stages * block_k * (d_qk + d_v) + block_rows * d_qk) * itemsize
+    per_sm = max(1, (smem_per_block or smem) // smem)
+    num_splits = decode_splits(batch * heads_kv * -(-rows // block_rows),
+                               -(-seq_kv // block_k), (sm_count or 0) * per_sm)
+  return dataclasses.replace(base, block_k=block_k, num_splits=num_splits,
+                             block_rows=block_rows, num_stages=stages)
+
+
+def decode_splits(programs: int, key_blocks: int, slots: int) -> int:
+  """The splits of `key_blocks` key blocks for `programs` programs per
+  split on `slots` program slots (0: one split). A split takes
+  `ceil(key_blocks / splits)` blocks, so only `ceil(key_blocks / that)`
+  splits have work; waves count those programs."""
+  most = max(1, key_blocks // MIN_BLOCKS_PER_SPLIT)
+  best, best_fill = 1, 0.0
+  for splits in range(1, most + 1) if slots else ():
+    per_split = -(-key_blocks // splits)
+    working = programs * -(-key_blocks // per_split)
+    waves = -(-working // slots)
+    fill = working / (waves * slots)
+    if waves >= MIN_DECODE_WAVES and fill >= DECODE_WAVE_FILL:
+      return splits
+    if fill > best_fill + 1e-9 or waves < MIN_DECODE_WAVES:
+      best, best_fill = splits, fill
+  return best
+
+MAX_DECODE_QUERIES = 16  # query tokens per sequence the split-KV template takes
+SPLIT_KV_MIN_KEYS = 256
+
+
+def prefers_split_kv(seq_q: int, seq_kv: int) -> bool:
+  """Whether `attention` runs a call on the split-KV template.
+
+  With at most `MAX_DECODE_QUERIES` queries, the parallel template has one
+  program per (batch, query head) walking all keys and reads each kv head's
+  keys once per query head of its group; the split-KV template packs the
+  group's queries into one tile, reads the keys once and splits them over
+  the SMs (on an H200, B=8, 32 query / 8 kv heads, d=128, 32k keys, the
+  parallel template read the keys at 1.4 TB/s, cuDNN at 4.3). Below
+  `SPLIT_KV_MIN_KEYS` keys both are a few microseconds and the parallel
+  template saves the combine step.
+  """
+  return seq_q <= MAX_DECODE_QUERIES and seq_kv >= SPLIT_KV_MIN_KEYS

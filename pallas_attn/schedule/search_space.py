@@ -27,14 +27,16 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_attn.schedule.config import (AttentionConfig, LinearAttentionConfig,
-                                         heuristic_config, next_power_of_2)
+from pallas_attn.schedule.config import (AttentionConfig, DecodeConfig, LinearAttentionConfig,
+                                         heuristic_config, heuristic_decode_config,
+                                         next_power_of_2)
 from pallas_attn.schedule.device import DeviceConfig, KiB, device_config
 
-Config = AttentionConfig | LinearAttentionConfig
+Config = AttentionConfig | LinearAttentionConfig | DecodeConfig
 
-# `pallas_attn.attention`'s passes, lowered with Triton and with Mosaic GPU.
-ATTENTION_TEMPLATES = ("forward", "backward", "forward_mosaic", "backward_mosaic")
+# `pallas_attn.attention`'s passes, lowered with Triton and with Mosaic GPU, and the
+# split-KV template (`decode_attention`).
+ATTENTION_TEMPLATES = ("forward", "backward", "forward_mosaic", "backward_mosaic", "decode")
 MOSAIC_TEMPLATES = ("forward_mosaic", "backward_mosaic")
 TEMPLATES: dict[str, type] = {
     "forward": AttentionConfig,
@@ -43,6 +45,7 @@ TEMPLATES: dict[str, type] = {
     "backward_mosaic": AttentionConfig,
     "linear_forward": LinearAttentionConfig,
     "linear_backward": LinearAttentionConfig,
+    "decode": DecodeConfig,
 }
 BLOCK_CHOICES = (16, 32, 64, 128, 256)
 CHUNK_CHOICES = (16, 32, 64, 128)
@@ -114,11 +117,25 @@ def format_config(config: Config) -> str:
   return " ".join(f"{k}={v}" for k, v in config.to_dict().items())
 
 
-def default_config(template: str, shape: ProblemShape, *,
-                   block_sparse: bool = False) -> Config:
+def decode_schedule(shape: ProblemShape, device: DeviceConfig,
+                    base: DecodeConfig | None = None) -> DecodeConfig:
+  """The split-KV template's config for a shape (`seq_kv`: the cache's
+  length) on a device: `base`'s fields where set, the schedule's
+  (`heuristic_decode_config`) elsewhere."""
+  return heuristic_decode_config(
+      shape.batch, shape.heads_kv, shape.seq_q * (shape.heads_q // shape.heads_kv),
+      shape.seq_kv, shape.d_qk, shape.d_v, itemsize=shape.itemsize, sm_count=device.sm_count,
+      smem_per_block=device.smem_per_block, base=base)
+
+
+def default_config(template: str, shape: ProblemShape, *, block_sparse: bool = False,
+                   device: DeviceConfig | None = None) -> Config:
   """The heuristic config the kernels use when the cache has no entry (no
-  tuning); `block_sparse`: the variant has a mask_mod."""
+  tuning); `block_sparse`: the variant has a mask_mod; `device` (default:
+  the current one) sizes the split-KV template's splits."""
   config_class(template)
+  if template == "decode":
+    return decode_schedule(shape, device_config() if device is None else device)
   if template == "forward":
     return heuristic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
                             block_sparse=block_sparse, itemsize=shape.itemsize)
@@ -169,6 +186,10 @@ def resource_use(template: str, config: Config, shape: ProblemShape,
     smem = max(dkv_kernel, dq_kernel)
     # dK/dV accumulators (or dQ) plus the score and dP tiles.
     fp32 = max(bk * (dqk + dv), bq * dqk) + 2 * bq * bk
+  elif template == "decode":
+    rows, bk = config.block_rows, config.block_k
+    smem = (stages * bk * (dqk + dv) + rows * dqk) * item
+    fp32 = rows * dv + rows * bk  # output accumulator + score tile
   elif template == "linear_forward":
     c, bv = config.chunk_size, config.block_v
     smem = stages * c * (2 * dqk + bv) * item
@@ -251,7 +272,18 @@ def prune_reason(template: str, config: Config, shape: ProblemShape,
   if template in MOSAIC_TEMPLATES:
     return _mosaic_prune_reason(template, config, shape, device)
   mma_m, mma_n, mma_k = device.mma_tile
-  if config_class(template) is AttentionConfig:
+  if template == "decode":
+    rows, cols = config.block_rows, config.block_k
+    packed = shape.seq_q * (shape.heads_q // shape.heads_kv)
+    checks = [
+        ("block_rows", rows, mma_m, max(mma_m, next_power_of_2(packed)), "padded query rows"),
+        ("block_k", cols, max(mma_n, mma_k), max(16, next_power_of_2(shape.seq_kv)),
+         "padded seq_kv"),
+    ]
+    key_blocks = -(-shape.seq_kv // cols)
+    if not 1 <= config.num_splits <= key_blocks:
+      return f"num_splits {config.num_splits} not in [1, {key_blocks} key blocks]"
+  elif config_class(template) is AttentionConfig:
     rows, cols = config.block_q, config.block_k
     checks = [
         ("block_q", rows, mma_m, next_power_of_2(shape.seq_q), "padded seq_q"),
@@ -327,7 +359,7 @@ class SearchSpace:
 def default_axes(template: str, shape: ProblemShape, device: DeviceConfig, *,
                  block_sparse: bool = False) -> dict[str, tuple[int, ...]]:
   """The values searched per config field. Interpret mode keeps the default's launch parameters."""
-  default = default_config(template, shape, block_sparse=block_sparse)
+  default = default_config(template, shape, block_sparse=block_sparse, device=device)
   if template in MOSAIC_TEMPLATES:  # num_warps follows from the tiles (search_space)
     return {"block_q": MOSAIC_BLOCK_Q_CHOICES, "block_k": MOSAIC_BLOCK_K_CHOICES[template],
             "num_warps": (default.num_warps,), "num_stages": MOSAIC_STAGE_CHOICES}
@@ -336,7 +368,12 @@ def default_axes(template: str, shape: ProblemShape, device: DeviceConfig, *,
   else:
     launch = {"num_warps": device.num_warps_choices,
               "num_stages": device.num_stages_choices}
-  if config_class(template) is AttentionConfig:
+  if template == "decode":
+    splits = default.num_splits
+    tiles = {"block_k": (32, 64, 128, 256),
+             "num_splits": tuple(sorted({max(1, splits // 2), splits, 2 * splits, 4 * splits})),
+             "block_rows": (default.block_rows,)}
+  elif config_class(template) is AttentionConfig:
     tiles = {"block_q": BLOCK_CHOICES, "block_k": BLOCK_CHOICES}
   else:
     tiles = {"chunk_size": CHUNK_CHOICES, "block_v": BLOCK_V_CHOICES}
@@ -369,7 +406,7 @@ def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None
   if unknown:
     raise ValueError(f"unknown axes {sorted(unknown)} for {template}; fields: {fields}")
   values = {**default_axes(template, shape, device, block_sparse=block_sparse), **axes}
-  default = default_config(template, shape, block_sparse=block_sparse)
+  default = default_config(template, shape, block_sparse=block_sparse, device=device)
   candidates, pruned = [], []
   configs = {_with_derived_fields(template, cls(**dict(zip(fields, combo))))
              for combo in itertools.product(*(values[f] for f in fields))}

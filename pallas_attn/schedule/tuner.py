@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn.schedule import cache
+from pallas_attn.schedule.config import MAX_DECODE_QUERIES
 from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, MOSAIC_TEMPLATES,
                                                ProblemShape, default_config, format_config,
@@ -258,7 +259,9 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
     the same passes on Mosaic GPU (an error where it cannot run them). The
     backward is timed alone, with the forward's config fixed to
     `forward_config`, else the cached one, else the heuristic. With a
-    mask_mod each pass gets the block mask on its own tiles.
+    mask_mod each pass gets the block mask on its own tiles. "decode": the
+    split-KV template (`decode_attention`, every sequence holding k_shape's
+    S_max keys; also what `attention` runs for a few queries).
   tuning: keyword arguments of `tune_template` (budget_s, max_candidates,
     axes, warmup, reps, store, progress).
   Afterwards `attention(config="auto")` finds the stored config.
@@ -281,7 +284,19 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
                            rownorm=rownorm, sinks=sinks, interpret=interpret,
                            implementation="mosaic_gpu" if mosaic else "triton")
 
-  if template == forward_template:
+  if template == "decode":
+    from pallas_attn.decode import decode_attention
+    if shape.seq_q > MAX_DECODE_QUERIES:
+      raise ValueError(f"the split-KV template takes 1 to {MAX_DECODE_QUERIES} query tokens; "
+                       f"q_shape has {shape.seq_q}")
+    call = functools.partial(decode_attention, score_mod=score_mod, mask_mod=mask_mod,
+                             rownorm=rownorm, sinks=sinks, interpret=interpret)
+    lengths = jnp.full((shape.batch,), shape.seq_kv, jnp.int32)
+
+    def build(config):
+      forward = jax.jit(functools.partial(call, config=config))
+      return lambda: forward(q, k, v, lengths)
+  elif template == forward_template:
     def build(config):
       forward = jax.jit(functools.partial(call, config=config))
       return lambda: forward(q, k, v)

@@ -1,0 +1,305 @@
+"""Decoding against a KV cache: `decode_attention`, `paged_attention`, and
+the split-KV path `attention` takes for a few queries.
+
+All three run the split-KV template (kernels/decode_forward.py) with the
+variant's analysis, as `attention` runs the parallel one: score_mod,
+mask_mod (captured arrays included), every online rownorm class and sinks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_attn import api
+from pallas_attn.kernels import backend, decode_forward, tiles
+from pallas_attn.kernels import block_mask as block_mask_lib
+from pallas_attn.schedule import cache as tuning_cache
+from pallas_attn.schedule import search_space
+from pallas_attn.schedule.config import MAX_DECODE_QUERIES, DecodeConfig, prefers_split_kv
+from pallas_attn.schedule.device import device_config
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.trace import is_concrete
+
+TEMPLATE = "decode"  # the tuning cache's name of the split-KV template
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mod=None,
+                     rownorm="softmax", sinks=None, scale=None, config=None, interpret=None):
+  """Attention of a few new query tokens against a KV cache of ragged length.
+
+  q `[B, Sq, Hq, D]` with 1 <= Sq <= 16 (one token, or a few for
+  speculative decoding); k_cache `[B, S_max, Hkv, D]`, v_cache
+  `[B, S_max, Hkv, Dv]`; kv_lengths `[B]` int32, the keys each sequence
+  holds, the Sq new tokens' keys included: query i of sequence b sits at
+  position `kv_lengths[b] - Sq + i`, and score_mod / mask_mod see those
+  absolute positions, so `variants.causal()`, `sliding_window(w)` and
+  `alibi` mean what they mean in training. Keys at or past kv_lengths[b]
+  are never read (their contents do not matter). Returns `[B, Sq, Hq, Dv]`
+  in q's dtype.
+
+  The keyword arguments are `pallas_attn.attention`'s (GQA/MQA when Hkv
+  divides Hq); config is a `DecodeConfig` (fields left None come from the
+  schedule), "auto" or None (a tuned cache entry if any, else the
+  schedule's: splits to fill the GPU's SMs).
+
+  kv_lengths must be in [Sq, S_max]: checked when they are concrete; traced
+  lengths outside [0, S_max] are clamped into it. Masks whose tile bounds
+  decide key blocks (causal, sliding windows) split only the live blocks: a
+  window of w keys reads about w keys, whatever the cache length.
+
+  Forward only (inference): differentiating it raises; use
+  `pallas_attn.attention` on the cache, sliced to the sequence, for
+  gradients.
+  """
+  _validate(q, k_cache, v_cache, kv_lengths, "k_cache", "v_cache")
+  lengths = _checked_lengths(kv_lengths, q.shape[1], k_cache.shape[1])
+  return _decode(q, k_cache, v_cache, lengths, None, k_cache.shape[1], score_mod=score_mod,
+                 mask_mod=mask_mod, rownorm=rownorm, sinks=sinks, scale=scale, config=config,
+                 interpret=interpret)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=None,
+                    mask_mod=None, rownorm="softmax", sinks=None, scale=None, config=None,
+                    interpret=None):
+  """`decode_attention` on a paged KV cache (vLLM's and JAX's layout).
+
+  k_pages `[num_pages, page_size, Hkv, D]`, v_pages `[num_pages,
+  page_size, Hkv, Dv]`; page_table `[B, max_pages]` int32: key position p of
+  sequence b is row `p % page_size` of page `page_table[b, p // page_size]`.
+  Sequences hold up to `max_pages * page_size` keys; positions and the
+  other arguments are `decode_attention`'s. The kernel reads pages through
+  the table, key block by key block (blocks may span pages).
+
+  Page indices of the pages a sequence uses (those below its length) must
+  be in [0, num_pages): checked when the table and lengths are concrete;
+  otherwise indices are clamped into the pages (a wrong index reads another
+  page, never out of bounds). Entries past a sequence's length are never
+  read (padding such as -1 is fine). Forward only, as `decode_attention`.
+  """
+  _validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
+  if (getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != q.shape[0]
+      or not jnp.issubdtype(page_table.dtype, jnp.integer)):
+    raise ValueError(f"page_table must be an integer [B, max_pages] = [{q.shape[0]}, ...] "
+                     f"array; got {getattr(page_table, 'dtype', type(page_table).__name__)} "
+                     f"{getattr(page_table, 'shape', '')}")
+  page_size = k_pages.shape[1]
+  max_length = page_table.shape[1] * page_size
+  lengths = _checked_lengths(kv_lengths, q.shape[1], max_length)
+  _check_pages(page_table, lengths, page_size, k_pages.shape[0])
+  return _decode(q, k_pages, v_pages, lengths, page_table, max_length, score_mod=score_mod,
+                 mask_mod=mask_mod, rownorm=rownorm, sinks=sinks, scale=scale, config=config,
+                 interpret=interpret)
+
+
+def _validate(q, k, v, kv_lengths, k_name, v_name, paged=False):
+  for name, x in (("q", q), (k_name, k), (v_name, v)):
+    if getattr(x, "ndim", None) != 4:
+      layout = "[num_pages, page_size, Hkv, D]" if paged and x is not q else "[B, S, H, D]"
+      raise ValueError(f"{name} must be {layout}; got shape {getattr(x, 'shape', None)}")
+    if x.dtype not in api.SUPPORTED_DTYPES:
+      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, {k_name}, {v_name} must share a dtype; got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}")
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"{k_name} {k.shape} and {v_name} {v.shape} differ before the head dim")
+  if not paged and k.shape[0] != q.shape[0]:
+    raise ValueError(f"batch sizes differ: q {q.shape}, {k_name} {k.shape}")
+  if q.shape[3] != k.shape[3]:
+    raise ValueError(f"q and {k_name} head dims differ: q {q.shape}, {k_name} {k.shape}")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
+                     f"({k.shape[2]}) for GQA/MQA")
+  if not 1 <= q.shape[1] <= MAX_DECODE_QUERIES:
+    raise ValueError(f"decoding takes 1 to {MAX_DECODE_QUERIES} query tokens per sequence; "
+                     f"got Sq = {q.shape[1]} (use pallas_attn.attention for more)")
+  if min(k.shape[1], q.shape[3]) == 0:
+    raise ValueError("cache length and head dims must be positive")
+  if (getattr(kv_lengths, "shape", None) != (q.shape[0],)
+      or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
+    raise ValueError(f"kv_lengths must be an integer [B] = [{q.shape[0]}] array; got "
+                     f"{getattr(kv_lengths, 'dtype', type(kv_lengths).__name__)} "
+                     f"{getattr(kv_lengths, 'shape', '')}")
+
+
+def _checked_lengths(kv_lengths, seq_q: int, max_length: int):
+  """kv_lengths as int32, checked against [Sq, S_max] when concrete."""
+  if is_concrete(kv_lengths):
+    lengths = np.asarray(kv_lengths)
+    bad = np.flatnonzero((lengths < seq_q) | (lengths > max_length))
+    if bad.size:
+      b = int(bad[0])
+      raise ValueError(f"kv_lengths[{b}] = {int(lengths[b])} is outside [Sq, S_max] = "
+                       f"[{seq_q}, {max_length}]: a sequence holds its {seq_q} new tokens' "
+                       "keys and at most the cache's length")
+  return jnp.asarray(kv_lengths, jnp.int32)
+
+
+def _check_pages(page_table, lengths, page_size: int, num_pages: int):
+  """Raises for a page index outside [0, num_pages) among the pages the
+  sequences use, where the table and the lengths are concrete (which pages
+  a sequence uses depends on its length)."""
+  if not (is_concrete(page_table) and is_concrete(lengths)):
+    return
+  table = np.asarray(page_table)
+  used = np.arange(table.shape[1])[None, :] < -(-np.asarray(lengths)[:, None] // page_size)
+  bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+  if bad.size:
+    b, slot = (int(i) for i in bad[0])
+    raise ValueError(f"page_table[{b}, {slot}] = {int(table[b, slot])} is not a page index "
+                     f"in [0, {num_pages}) (sequence {b} uses its first "
+                     f"{int(used[b].sum())} pages)")
+
+
+def resolve_config(config, analysis: VariantAnalysis, q, k_shape, v_shape) -> DecodeConfig:
+  """The complete split-KV config of a call: an explicit `DecodeConfig`
+  with the schedule's fields where it leaves them None, else a tuned one
+  from the cache, else the schedule's. k_shape / v_shape are the logical
+  cache shapes `[B, S_max, Hkv, D]`."""
+  if config not in (None, "auto") and not isinstance(config, DecodeConfig):
+    raise TypeError(f"config must be a DecodeConfig, 'auto' or None; got {config!r}")
+  if not isinstance(config, DecodeConfig):
+    config = tuning_cache.lookup_config(TEMPLATE, analysis.fingerprint(), q_shape=q.shape,
+                                        k_shape=k_shape, v_shape=v_shape, dtype=q.dtype)
+  shape = search_space.ProblemShape.from_shapes(q.shape, k_shape, v_shape, q.dtype)
+  complete = search_space.decode_schedule(shape, device_config(), base=config)
+  _check_config(complete)
+  return complete
+
+
+def _check_config(config: DecodeConfig):
+  for name in ("block_k", "block_rows", "num_warps"):
+    value = getattr(config, name)
+    minimum = 1 if name == "num_warps" else 16
+    if value < minimum or value & (value - 1):
+      raise ValueError(f"DecodeConfig.{name} must be a power of two of at least {minimum}; "
+                       f"got {value}")
+  if config.num_splits < 1 or config.num_stages < 1:
+    raise ValueError(f"DecodeConfig.num_splits and num_stages must be >= 1; got {config}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DecodeCall:
+  """The static part of one split-KV call (see api._Call)."""
+  analysis: VariantAnalysis
+  config: DecodeConfig
+  scale: float | None
+  interpret: bool
+  queries_at_end: bool  # decoding (token i at kv_len - Sq + i); False: attention's positions
+  page_size: int | None
+
+  @functools.cached_property
+  def key(self) -> tuple:
+    return (self.analysis.fingerprint(), self.analysis.rownorm.name, self.config, self.scale,
+            self.interpret, self.queries_at_end, self.page_size)
+
+  def __eq__(self, other):
+    return isinstance(other, _DecodeCall) and self.key == other.key
+
+  def __hash__(self):
+    return hash(self.key)
+
+
+def _decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, rownorm, sinks,
+            scale, config, interpret):
+  analysis = analyze_variant(score_mod, mask_mod, rownorm)
+  sinks = api._resolve_sinks(sinks, analysis, q.shape[2])
+  heads_kv = k.shape[2]
+  cfg = resolve_config(config, analysis, q, (q.shape[0], max_length, heads_kv, k.shape[3]),
+                       (q.shape[0], max_length, heads_kv, v.shape[3]))
+  call = _DecodeCall(analysis, cfg, None if scale is None else float(scale),
+                     backend.resolve_interpret(interpret), queries_at_end=True,
+                     page_size=None if page_table is None else k.shape[1])
+  consts = _consts(analysis)
+  return _forward_only(q, k, v, lengths, page_table, consts, sinks, call=call)
+
+
+def _consts(analysis: VariantAnalysis) -> tuple:
+  return tuple(() if prog is None else tuple(prog.traced.consts)
+               for prog in (analysis.score_mod, analysis.mask_mod))
+
+
+@functools.partial(jax.jit, static_argnames="call")
+def _forward_only(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
+  """`_forward`, raising a clear error when differentiated."""
+  core = jax.custom_jvp(functools.partial(_forward, call=call))
+
+  def no_derivative(primals, tangents):
+    raise TypeError("decode_attention and paged_attention are forward-only (inference); "
+                    "for gradients use pallas_attn.attention on the cache sliced to the "
+                    "sequence")
+  core.defjvp(no_derivative)
+  return core(q, k, v, lengths, page_table, consts, sinks)[0]
+
+
+def _forward(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
+  """(out `[B, Sq, Hq, Dv]`, row statistic `[B, Hq, Sq]`) of the split-KV template."""
+  batch, seq_q, heads, d_qk = q.shape
+  heads_kv, d_v = k.shape[2], v.shape[3]
+  group = heads // heads_kv
+  cfg = call.config
+  paged = call.page_size is not None
+  max_length = page_table.shape[1] * call.page_size if paged else k.shape[1]
+  analysis = tiles.gathered_per_row(call.analysis)
+  kv_pad = -(-max_length // cfg.block_k) * cfg.block_k
+  capture_arrays, operands = tiles.capture_operands(analysis, seq_q, kv_pad, consts)
+  ranges = None
+  if analysis.mask_mod is not None:
+    clipped = jnp.clip(lengths, 0, max_length)
+    first_query = clipped - seq_q if call.queries_at_end else jnp.zeros_like(clipped)
+    ranges = block_mask_lib.live_kv_blocks(call.analysis, consts[1], clipped, first_query,
+                                           seq_q, heads_kv, group, cfg.block_k,
+                                           kv_pad // cfg.block_k)
+  fp32_exact = q.dtype == jnp.float32
+  plan = decode_forward.DecodePlan(
+      analysis=analysis, operands=operands,
+      scale=float(1.0 / math.sqrt(d_qk) if call.scale is None else call.scale),
+      seq_q=seq_q, group=group, d_qk=d_qk, d_v=d_v, max_length=max_length,
+      queries_at_end=call.queries_at_end, page_size=call.page_size,
+      has_ranges=ranges is not None, has_sink=sinks is not None, fp32_exact=fp32_exact,
+      fast_math=not (fp32_exact or call.interpret), config=cfg)
+  return decode_forward.forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks,
+                                plan=plan, interpret=call.interpret)
+
+
+def split_kv_call(analysis: VariantAnalysis, q, k, v, scale, interpret: bool):
+  """The split-KV call for `attention`'s inputs where the schedule prefers
+  it (`prefers_split_kv`), else None."""
+  if not prefers_split_kv(q.shape[1], k.shape[1]):
+    return None
+  cfg = resolve_config(None, analysis, q, k.shape, v.shape)
+  return _DecodeCall(analysis, cfg, None if scale is None else float(scale), interpret,
+                     queries_at_end=False, page_size=None)
+
+
+@functools.partial(jax.jit, static_argnames=("call", "split_kv", "dense"))
+def split_kv_attention(q, k, v, consts, block_masks, sinks, *, call, split_kv: _DecodeCall,
+                       dense):
+  """`attention`'s (out, row statistic) on the split-KV template, every key
+  valid and query i at position i. Differentiated, the call runs `dense`
+  (api's parallel path, forward and backward) instead: the split-KV
+  template has no backward."""
+  def primal(q, k, v, consts, block_masks, sinks):
+    lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+    return _forward(q, k, v, lengths, None, consts, sinks, call=split_kv)
+
+  core = jax.custom_vjp(primal)
+  core.defvjp(lambda *args: jax.vjp(functools.partial(dense, call=call), *args),
+              lambda pullback, cotangent: pullback(cotangent))
+  return core(q, k, v, consts, block_masks, sinks)
+
+
+def describe_dispatch(analysis: VariantAnalysis, q_shape, k_shape, v_shape, dtype) -> str:
+  """Which forward template `attention` runs for these shapes (`pallas-attn explain`)."""
+  if not prefers_split_kv(q_shape[1], k_shape[1]):
+    return "forward template: parallel (one program per query block, batch and head)"
+  q = jax.ShapeDtypeStruct(q_shape, dtype)
+  cfg = resolve_config(None, analysis, q, k_shape, v_shape)
+  return (f"forward template: split-KV decoding on triton (tiles of {q_shape[2] // k_shape[2]} query "
+          f"heads x {q_shape[1]} tokens, keys split {cfg.num_splits} ways; "
+          f"{search_space.format_config(cfg)}; differentiated: the parallel template)")
