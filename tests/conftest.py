@@ -38,6 +38,14 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def exact_matmuls():
+  """float32 matmuls at full precision (GPUs default to TF32), for tests
+  whose reference is a framework's own layer rather than attention_reference."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def random(shape, dtype=jnp.float32, seed=0):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
 

@@ -15,6 +15,7 @@ from conftest import TOLERANCE, assert_close, random
 from pallas_attn import variants as V
 from pallas_attn.layers import equinox as pa_eqx
 
+pytestmark = pytest.mark.usefixtures("exact_matmuls")
 BATCH, SEQ_Q, SEQ_KV, HEADS, SIZE = 2, 11, 13, 4, 16
 # qk_size != vo_size and biases on every projection.
 LAYER_ARGS = dict(num_heads=HEADS, query_size=SIZE, qk_size=8, vo_size=6, use_query_bias=True,

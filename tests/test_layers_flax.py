@@ -14,6 +14,7 @@ from conftest import TOLERANCE, assert_close, random
 from pallas_attn import variants as V
 from pallas_attn.layers import flax as pa_flax
 
+pytestmark = pytest.mark.usefixtures("exact_matmuls")
 DTYPES = [pytest.param(jnp.float32, id="fp32"), pytest.param(jnp.bfloat16, id="bf16")]
 BATCH, SEQ, FEATURES, HEADS, KV_HEADS = 2, 13, 16, 4, 2  # ragged length, GQA
 

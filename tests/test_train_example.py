@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.usefixtures("exact_matmuls")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
 
 
