@@ -11,7 +11,9 @@ constructor, call and fields `query_proj`, `key_proj`, `value_proj`,
 `output_proj`, `dropout`, ..., so `eqx.tree_at`, `tree_serialise_leaves`
 files and weights carry over) plus the variant arguments. Inputs are
 unbatched as in Equinox; `jax.vmap` over the layer batches the Pallas
-kernels (one launch per pass for the whole batch, not one per example).
+kernels (one launch per pass for the whole batch, not one per example:
+pallas_call's batching rule and Mosaic GPU's `plgpu.kernel` vmap rule each
+add a grid axis).
 
 Differences from Equinox's dense attention: a query row whose keys are all
 masked returns zeros (Equinox averages every value); dropout on the
