@@ -111,7 +111,9 @@ def make_attention_fn(score_mod=None, mask_mod=None, rownorm="softmax",
   `make_attention_fn(variant=variants.softcap(30.0) + variants.sliding_window(4096))`.
 
   Captured arrays are constants of the function; for learnable ones use
-  `VariantAttention`.
+  `VariantAttention`. In Flax's own layers' decode mode the single query is
+  row 0 (Flax passes no positions): variants that depend on positions
+  decode correctly only in this module's `MultiHeadAttention`.
   """
   return AttentionFn(_common.resolve_variant(variant, score_mod, mask_mod, rownorm))
 
@@ -207,7 +209,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   Flax does, or a chunk of them (a prompt): each query attends to the cached
   keys up to its own position, and the variant's score_mod / mask_mod see
   absolute positions (the cache index), so ALiBi, windows and the like
-  decode as they train. Writing past the cache's end gives NaN outputs.
+  decode as they train (`is_causal` is implied there: Flax's would keep
+  key 0 only). Writing past the cache's end gives NaN outputs.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -226,6 +229,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                               deterministic=deterministic, rngs=rngs, sow_weights=sow_weights,
                               decode=decode, is_causal=is_causal, out_sharding=out_sharding,
                               qkv_sharding=qkv_sharding)
+    del rngs, is_causal  # no dropout to draw; decoding is causal by position
     dropout_off = self.deterministic if deterministic is None else deterministic
     _check_supported(self.dropout_rate, dropout_off, self if sow_weights else None, {})
     query, key, value = self._project(inputs_q, inputs_k, inputs_v, qkv_sharding)
