@@ -34,7 +34,7 @@ def layers(dtype=jnp.float32, **variant):
           pa_eqx.MultiheadAttention(**LAYER_ARGS, dtype=dtype, key=key, **variant))
 
 
-KERNEL_PRIMITIVES = ("pallas_call", "core_map")
+KERNEL_PRIMITIVES = ("pallas_call", "core_map", "mpmd_map")  # Triton; Mosaic GPU
 
 
 def kernels(jaxpr, loops=()):
@@ -103,13 +103,14 @@ def test_weights_and_saved_files_carry_over(default_mode):
   assert_close(ours(q, k, v), theirs(q, k, v))
 
 
-def test_vmap_is_one_batched_kernel_per_pass(default_mode):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_vmap_is_one_batched_kernel_per_pass(dtype, default_mode):
   """vmap over examples (each with its own traced mask) batches the kernels:
   one per pass (block mask and forward; under grad also dq and dk/dv), none
   inside a loop. Pallas adds a grid axis: pallas_call's batching rule for
-  Triton, plgpu.kernel's vmap rule for Mosaic GPU."""
-  _, ours = layers(variant=V.causal(seq_q=SEQ_Q, seq_kv=SEQ_KV))
-  q, k, v = inputs()
+  Triton, plgpu.kernel's vmap rule for Mosaic GPU (bf16 on Hopper)."""
+  _, ours = layers(dtype, variant=V.causal(seq_q=SEQ_Q, seq_kv=SEQ_KV))
+  q, k, v = inputs(dtype)
   masks = jax.random.bernoulli(jax.random.PRNGKey(3), 0.7, (BATCH, SEQ_Q, SEQ_KV))
 
   def loss(layer, q, k, v, masks):
