@@ -66,8 +66,8 @@ class AttentionFn:
   several, merged into one for the kernel) -> `[batch..., Sq, Hq, Dv]`.
   `bias` and `mask` broadcast to `[batch..., Hq, Sq, Skv]` and become
   arrays the variant's score_mod / mask_mod read (bias added after the
-  variant's score_mod; mask False drops a key; both are differentiable
-  where floating). `is_causal`: query i keeps keys j <= i (top-left, as
+  variant's score_mod, and differentiable; mask False drops a key).
+  `is_causal`: query i keeps keys j <= i (top-left, as
   Flax). `dtype` / `promote_dtype` promote q, k, v as Flax does;
   `precision` and `force_fp32_for_softmax` are accepted and moot (the
   kernels accumulate and normalize in float32); dropout with
@@ -98,6 +98,7 @@ class AttentionFn:
     return out.reshape(batch_shape + out.shape[1:])
 
   def current_variant(self) -> Variant:
+    """The variant this function runs (as `VariantAttention.current_variant`)."""
     return self.variant
 
 
@@ -137,6 +138,7 @@ class VariantAttention(nnx.Module):
       setattr(self, name, nnx.Param(jnp.asarray(value)))
 
   def current_variant(self) -> Variant:
+    """The variant built from the params' current values."""
     return self.build(**{name: getattr(self, name)[...] for name in self.param_names})
 
   def __call__(self, query, key, value, bias=None, mask=None, **kwargs):
