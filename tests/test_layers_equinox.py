@@ -3,12 +3,13 @@ same weights (interpret mode; compiled on GPU through `default_mode`)."""
 import io
 import sys
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from jax.extend import core as jax_core
+
+eqx = pytest.importorskip("equinox", reason="needs the test extra: pip install '.[test]'")
+optax = pytest.importorskip("optax", reason="needs the test extra: pip install '.[test]'")
 
 import pallas_attn as pa
 from conftest import TOLERANCE, assert_close, random

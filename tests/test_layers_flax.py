@@ -5,9 +5,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import linen, nnx
+
+optax = pytest.importorskip("optax", reason="needs the test extra: pip install '.[test]'")
+pytest.importorskip("flax", reason="needs the test extra: pip install '.[test]'")
+from flax import linen, nnx  # noqa: E402
 
 import pallas_attn as pa
 from conftest import TOLERANCE, assert_close, random

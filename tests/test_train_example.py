@@ -8,6 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+for _module in ("flax", "equinox", "optax"):
+  pytest.importorskip(_module, reason="needs the test extra: pip install '.[test]'")
+
 pytestmark = pytest.mark.usefixtures("exact_matmuls")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
 
