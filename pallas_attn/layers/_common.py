@@ -17,7 +17,6 @@ from pallas_attn.api import attention
 from pallas_attn.variants import Variant, compose
 
 VANILLA = Variant("vanilla")
-_AXES = ("batch", "heads", "query length", "key length")
 
 
 def resolve_variant(variant=None, score_mod=None, mask_mod=None, rownorm="softmax") -> Variant:
