@@ -241,5 +241,5 @@ def test_missing_flax_fails_clearly(monkeypatch):
   import pallas_attn.layers
   monkeypatch.delitem(sys.modules, "pallas_attn.layers.flax")
   monkeypatch.delattr(pallas_attn.layers, "flax")
-  with pytest.raises(ImportError, match=r"pallas-attn\[flax\]"):
+  with pytest.raises(ImportError, match=r"\[flax\]"):
     pallas_attn.layers.flax  # noqa: B018 (the lazy import is the test)

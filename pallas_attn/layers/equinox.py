@@ -30,7 +30,7 @@ try:
   import equinox as eqx
 except ImportError as error:  # pragma: no cover - exercised by a test with equinox hidden
   raise ImportError("pallas_attn.layers.equinox needs equinox: "
-                    "pip install 'pallas-attn[equinox]'") from error
+                    "pip install -e '.[equinox]'") from error
 
 from pallas_attn.layers import _common
 from pallas_attn.variants import Variant

@@ -34,7 +34,7 @@ try:
   from flax.nnx.nn import dtypes as nnx_dtypes
 except ImportError as error:  # pragma: no cover - exercised by a test with flax hidden
   raise ImportError("pallas_attn.layers.flax needs flax (flax.nnx): "
-                    "pip install 'pallas-attn[flax]'") from error
+                    "pip install -e '.[flax]'") from error
 
 from pallas_attn import variants
 from pallas_attn.layers import _common
