@@ -11,6 +11,15 @@ ON_GPU = jax.default_backend() == "gpu"
 MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 
+
+@pytest.fixture(params=MODES)
+def default_mode(request, monkeypatch):
+  """MODES for code that passes no `interpret` (the layers, the example):
+  sets the default that `interpret=None` resolves to."""
+  from pallas_attn.kernels import backend
+  monkeypatch.setattr(backend, "default_interpret", lambda: request.param)
+  return request.param
+
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
 
 # Random ragged shapes for property tests: `@given(**RANDOM_SHAPES)` draws the
@@ -27,6 +36,14 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not ON_GPU:
       item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def exact_matmuls():
+  """float32 matmuls at full precision (GPUs default to TF32), for tests
+  whose reference is a framework's own layer rather than attention_reference."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def random(shape, dtype=jnp.float32, seed=0):

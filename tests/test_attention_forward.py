@@ -68,6 +68,7 @@ def _captures(batch, heads, seq_q, seq_kv):
       temperature=jnp.float32(1.3),
       broadcast_batch=random((1, seq_kv), seed=12),
       rows=random((3, seq_kv), seed=13),
+      one_element=jnp.array([0.7]),
   )
 
 
@@ -82,6 +83,7 @@ SCORE_MODS = {
     "size1_batch_axis": lambda c: lambda s, b, h, qi, ki: s + c["broadcast_batch"][b, ki],
     "constant_index": lambda c: lambda s, b, h, qi, ki: s + c["rows"][1, ki] - c["rows"][-1, ki],
     "scalar_capture": lambda c: lambda s, b, h, qi, ki: s / c["temperature"],
+    "one_element_indexed": lambda c: lambda s, b, h, qi, ki: s * c["one_element"][b],
     "index_only": lambda c: lambda s, b, h, qi, ki: s + jnp.where(qi % 3 == 0, 0.5, -0.25),
 }
 

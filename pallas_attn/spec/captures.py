@@ -115,6 +115,7 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
     if name in INDEX_NAMES:
       tags[var] = ("idx", name)
   uses, loads, skip = [], [], set()
+  single = {}  # var holding a one-element capture (or its slice) -> that capture's use
 
   def add_use(use):
     if use not in uses:
@@ -124,7 +125,8 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
   for i, (var, const) in enumerate(zip(jaxpr.constvars, traced.consts)):
     shape = tuple(np.shape(const))
     if all(d == 1 for d in shape):
-      loads.append((var, add_use(CaptureUse(i, (0,) * len(shape)))))
+      single[var] = add_use(CaptureUse(i, (0,) * len(shape)))
+      loads.append((var, single[var]))
       deps[var] = frozenset()
     else:
       tags[var] = _View(i, shape, [None] * len(shape), [None] * len(shape),
@@ -149,6 +151,14 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
     in_tags = [tag(v) for v in eqn.invars]
     out = eqn.outvars[0] if eqn.outvars else None
     views = [t for t in in_tags if isinstance(t, _View)]
+    if (prim in ("dynamic_slice", "slice", "squeeze", "reshape") and eqn.invars
+        and not is_literal(eqn.invars[0]) and eqn.invars[0] in single):
+      # Indexing a one-element capture (slopes[h] with one head) reads its element.
+      single[out] = single[eqn.invars[0]]
+      loads.append((out, single[out]))
+      deps[out] = frozenset()
+      skip.add(n)
+      continue
     if prim == "dynamic_slice" and isinstance(in_tags[0], _View):
       view = dataclasses.replace(in_tags[0], addr=list(in_tags[0].addr),
                                  starts=list(in_tags[0].starts),
