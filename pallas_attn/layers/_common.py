@@ -14,6 +14,8 @@ import math
 import jax.numpy as jnp
 
 from pallas_attn.api import attention
+from pallas_attn.decode import decode_attention
+from pallas_attn.schedule.config import MAX_DECODE_QUERIES
 from pallas_attn.variants import Variant, compose
 
 VANILLA = Variant("vanilla")
@@ -116,12 +118,15 @@ def cache_attention(query, k_cache, v_cache, kv_lengths, *, score_mod=None, mask
   positions of `k_cache` / `v_cache` `[B, S_max, Hkv, D]`.
 
   Query i of sequence b sits at absolute position `kv_lengths[b] - Sq + i`;
-  score_mod and mask_mod see that position as `q_idx`. This is the contract
-  of `pallas_attn.decode_attention` (the split-KV decoding template), which
-  is meant to replace this body: here it is the parallel template over the
+  score_mod and mask_mod see that position as `q_idx`: the contract of
+  `pallas_attn.decode_attention`, which runs a few tokens (the split-KV
+  template). A longer chunk (a prompt) runs the parallel template over the
   whole cache with the positions past each length masked.
   """
   seq_q = query.shape[1]
+  if seq_q <= MAX_DECODE_QUERIES:
+    return decode_attention(query, k_cache, v_cache, kv_lengths, score_mod=score_mod,
+                            mask_mod=mask_mod, rownorm=rownorm, sinks=sinks)
 
   def position(b, q_idx):
     return kv_lengths[b] - seq_q + q_idx

@@ -280,7 +280,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     q, k, v = (_common.merge_batch_dims(x, batch_shape, name) for x, name in (
         (query, "query"), (k_cache, "key cache"), (v_cache, "value cache")))
     q, k, v = nnx_dtypes.promote_dtype((q, k, v), dtype=self.dtype)
-    lengths = jnp.full((q.shape[0],), index + chunk, jnp.int32)
+    # Clamped so a write past the cache's end reaches the NaN below, not a length error.
+    lengths = jnp.full((q.shape[0],), jnp.minimum(index + chunk, max_length), jnp.int32)
     parts = [variants.causal(), self.attention_fn.current_variant()]
     if mask is not None:
       mask = _common.as_4d(mask, batch_shape, (self.num_heads, chunk, max_length), "mask")
