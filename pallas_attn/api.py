@@ -142,6 +142,22 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   arrays score_mod closes over come from Pallas kernels that recompute the
   scores from the saved row statistics).
   """
+  call, consts, block_masks, sinks = _prepare(
+      q, k, v, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
+      sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
+      interpret=interpret, implementation=implementation)
+  out, stat = _attention(q, k, v, consts, block_masks, sinks, call=call)
+  if not return_lse:
+    return out
+  return out, (None if call.analysis.rownorm.kind == "elementwise" else stat)
+
+
+def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
+             sinks=None, block_mask=None, config=None, bwd_config=None, interpret=None,
+             implementation=None) -> tuple:
+  """`attention`'s work before the kernels (checks, analysis, lowering,
+  configs, block masks, sinks): `(call, consts, block_masks, sinks)` for
+  `_attention`. The ring steps of pallas_attn.distributed call it too."""
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   interpret = backend.resolve_interpret(interpret)
@@ -168,10 +184,7 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
                  for prog in (analysis.score_mod, analysis.mask_mod))
   call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,
                lowering.forward, lowering.backward)
-  out, stat = _attention(q, k, v, consts, block_masks, sinks, call=call)
-  if not return_lse:
-    return out
-  return out, (None if analysis.rownorm.kind == "elementwise" else stat)
+  return call, consts, block_masks, sinks
 
 
 def _resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
@@ -278,12 +291,15 @@ class _Call:
 
 
 @functools.partial(jax.jit, static_argnames="call")
-def _attention(q, k, v, consts, block_masks, sinks, *, call: _Call):
+def _attention(q, k, v, consts, block_masks, sinks, recorded=None, *, call: _Call):
   """Pads to the blocks of both passes, runs the differentiable core, unpads.
 
   Jitted with the call's static part as the key, so that eager calls
   (outside any jit) compile once per variant and shape, not on every call;
-  under an outer jit it is inlined.
+  under an outer jit it is inlined. With `recorded` = (out, row statistic)
+  it runs no forward: it returns those, and its gradient is attention's
+  backward with them as the saved output and statistic (ring attention's
+  backward steps: each block of keys against the merged rows).
   """
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
@@ -302,5 +318,12 @@ def _attention(q, k, v, consts, block_masks, sinks, *, call: _Call):
       seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
       config=cfg, bwd_config=bwd_cfg, interpret=call.interpret,
       forward_lowering=call.forward_lowering, backward_lowering=call.backward_lowering)
-  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
+  if recorded is None:
+    out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
+  else:
+    out, stat = recorded
+    out = _pad_to(_pad_to(out.astype(q.dtype), 1, seq_q_pad), 3, d_v_pad)
+    stat = jnp.pad(stat, [(0, 0), (0, 0), (0, seq_q_pad - seq_q)], constant_values=-jnp.inf)
+    out, stat = attention_vjp.recorded_core(qp, kp, vp, consts, block_masks, sinks, out, stat,
+                                            spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

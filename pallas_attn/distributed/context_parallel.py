@@ -1,0 +1,92 @@
+"""Context parallelism: `attention` on q/k/v sharded along the sequence.
+
+`context_parallel_attention` wraps `ring_attention` in a `jax.shard_map`
+over the mesh: the sequence axis is split over `seq_axis` (and batch and
+heads, optionally, over `batch_axis` and `head_axis`). With load balancing
+it moves each device's shard into the zigzag layout first (two chunks per
+device, so that every device has the same causal work) and the result
+back, with `ppermute`s of half a shard.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pallas_attn.distributed import layout as layout_lib
+from pallas_attn.distributed import ring as ring_lib
+from pallas_attn.kernels.block_mask import keeps_nothing_between
+from pallas_attn.spec.analysis import analyze_variant
+
+
+def _balances(mask_mod, seq_q: int, seq_kv: int) -> bool:
+  """Whether zigzag evens out the work: mask_mod (by tile bounds, for any
+  captured values) keeps no key past the queries of the first block, as
+  causal masks do (causal, causal windows and documents, prefix-LM
+  bounds permitting)."""
+  if mask_mod is None:
+    return False
+  analysis = analyze_variant(mask_mod=mask_mod)
+  return keeps_nothing_between(analysis, (0, 0), (seq_kv - 1, seq_kv - 1)) and seq_q > 1
+
+
+def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
+                               segment_ids=None, load_balance=None, return_lse=False,
+                               **attention_kwargs):
+  """`pallas_attn.attention` with the sequence split over mesh axis `seq_axis`.
+
+  q `[B, Sq, Hq, Dqk]`, k `[B, Skv, Hkv, Dqk]`, v `[B, Skv, Hkv, Dv]` (global
+  arrays, e.g. sharded `P(batch_axis, seq_axis, head_axis)`); the output is
+  sharded so. Each device computes its queries against every block of keys
+  in a ring (`ring_attention`), never holding more than two blocks of keys.
+  score_mod and mask_mod see global positions, batch rows and heads, as on
+  one device. `segment_ids` (`[B, S]` or `[S]`, or a pair for queries and
+  keys): document ids, sharded with the sequence, ANDed into the mask as
+  `variants.document` would be; pass them here rather than closing over
+  them, so that each device holds its shard and the key ids travel with
+  the keys. `load_balance`: None (auto) uses the zigzag layout when the
+  mask is causal-like (see `_balances`), True / False force it.
+  `attention_kwargs`: score_mod, mask_mod, rownorm (softmax or elementwise),
+  scale, sinks, config, bwd_config, interpret, implementation.
+  """
+  num = mesh.shape[seq_axis]
+  seq_q, seq_kv = q.shape[1], k.shape[1]
+  for name, length in (("q", seq_q), ("k/v", seq_kv)):
+    if length % num:
+      raise ValueError(f"context_parallel_attention: the {name} sequence ({length}) must "
+                       f"split evenly over the {num} devices of mesh axis {seq_axis!r}")
+  if load_balance is None:
+    load_balance = num > 1 and _balances(attention_kwargs.get("mask_mod"), seq_q, seq_kv)
+  layout = layout_lib.ZIGZAG if load_balance else layout_lib.CONTIGUOUS
+  layout_lib.check_layout(layout, seq_q // num, seq_kv // num)
+  qkv_spec = PartitionSpec(batch_axis, seq_axis, head_axis, None)
+  ids = ring_lib._segment_ids(segment_ids, q.shape[0], seq_q, seq_kv)
+  ids_spec = PartitionSpec(batch_axis, seq_axis)
+  out_specs = qkv_spec
+  if return_lse:
+    out_specs = (qkv_spec, PartitionSpec(batch_axis, head_axis, seq_axis))
+
+  def local(q, k, v, q_ids, kv_ids):
+    def relayout(x, axis, move):
+      return x if x is None or layout == layout_lib.CONTIGUOUS else move(x, axis, seq_axis, num)
+    q, k, v = (relayout(x, 1, layout_lib.to_zigzag) for x in (q, k, v))
+    q_ids, kv_ids = (relayout(x, 1, layout_lib.to_zigzag) for x in (q_ids, kv_ids))
+    result = ring_lib.ring_attention(
+        q, k, v, axis_name=seq_axis, layout=layout,
+        segment_ids=None if q_ids is None else (q_ids, kv_ids), return_lse=return_lse,
+        batch_axis=batch_axis, head_axis=head_axis, **attention_kwargs)
+    if not return_lse:
+      return relayout(result, 1, layout_lib.from_zigzag)
+    out, lse = result
+    return relayout(out, 1, layout_lib.from_zigzag), relayout(lse, 2, layout_lib.from_zigzag)
+
+  in_specs = (qkv_spec,) * 3 + (ids_spec,) * 2
+  args = [_resharded(x, mesh, spec) for x, spec in zip((q, k, v, *ids), in_specs)]
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*args)
+
+
+def _resharded(x, mesh, spec):
+  """`x` as `shard_map` takes it: on a mesh of explicit axes, resharded to `spec`."""
+  if x is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
