@@ -66,18 +66,22 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
     out_specs = (qkv_spec, PartitionSpec(batch_axis, head_axis, seq_axis))
 
   def local(q, k, v, q_ids, kv_ids):
-    def relayout(x, axis, move):
-      return x if x is None or layout == layout_lib.CONTIGUOUS else move(x, axis, seq_axis, num)
-    q, k, v = (relayout(x, 1, layout_lib.to_zigzag) for x in (q, k, v))
-    q_ids, kv_ids = (relayout(x, 1, layout_lib.to_zigzag) for x in (q_ids, kv_ids))
+    def relayout(move, *arrays):
+      """`arrays` ((array or None, sequence axis) pairs) moved in one ordered chain."""
+      if layout == layout_lib.CONTIGUOUS:
+        return [x for x, _ in arrays]
+      present = [(x, axis) for x, axis in arrays if x is not None]
+      moved = iter(move(present, seq_axis, num))
+      return [None if x is None else next(moved) for x, _ in arrays]
+    q, k, v, q_ids, kv_ids = relayout(layout_lib.to_zigzag, (q, 1), (k, 1), (v, 1),
+                                      (q_ids, 1), (kv_ids, 1))
     result = ring_lib.ring_attention(
         q, k, v, axis_name=seq_axis, layout=layout,
         segment_ids=None if q_ids is None else (q_ids, kv_ids), return_lse=return_lse,
         batch_axis=batch_axis, head_axis=head_axis, **attention_kwargs)
-    if not return_lse:
-      return relayout(result, 1, layout_lib.from_zigzag)
-    out, lse = result
-    return relayout(out, 1, layout_lib.from_zigzag), relayout(lse, 2, layout_lib.from_zigzag)
+    out, lse = result if return_lse else (result, None)
+    out, lse = relayout(layout_lib.from_zigzag, (out, 1), (lse, 2))
+    return (out, lse) if return_lse else out
 
   in_specs = (qkv_spec,) * 3 + (ids_spec,) * 2
   args = [_resharded(x, mesh, spec) for x, spec in zip((q, k, v, *ids), in_specs)]

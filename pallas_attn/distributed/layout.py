@@ -54,26 +54,46 @@ def _zigzag_sources(num_devices: int) -> dict:
   return sources
 
 
-def _move_chunks(x, axis: int, axis_name, sources: dict):
-  """Each device's two halves of `x` along `axis` replaced by the halves
-  `sources` names: one `ppermute` per (source slot, target slot) pair, each
-  a partial permutation of the devices."""
-  halves = jnp.split(x, 2, axis=axis)
+def _move_chunks(arrays, axis_name, sources: dict) -> list:
+  """Each device's two halves of each (array, axis) of `arrays` replaced by
+  the halves `sources` names: one `ppermute` per array and (source slot,
+  target slot) pair, each a partial permutation of the devices."""
   routes = collections.defaultdict(list)
   for (device, slot), (source, source_slot) in sources.items():
     routes[(source_slot, slot)].append((source, device))
-  moved = [jnp.zeros_like(halves[0]), jnp.zeros_like(halves[1])]
-  for (source_slot, slot), perm in sorted(routes.items()):
-    moved[slot] = moved[slot] + jax.lax.ppermute(halves[source_slot], axis_name, perm)
-  return jnp.concatenate(moved, axis=axis)
+  routes = sorted(routes.items())
+  halves = [jnp.split(x, 2, axis=axis) for x, axis in arrays]
+  sends = [(parts[source_slot], perm) for parts in halves for (source_slot, _), perm in routes]
+  received = iter(ordered_ppermutes(sends, axis_name))
+  moved = []
+  for (x, axis), parts in zip(arrays, halves):
+    out = [jnp.zeros_like(parts[0]), jnp.zeros_like(parts[1])]
+    for (_, slot), _ in routes:
+      out[slot] = out[slot] + next(received)
+    moved.append(jnp.concatenate(out, axis=axis))
+  return moved
 
 
-def to_zigzag(x, axis: int, axis_name, num_devices: int):
-  """A contiguously sharded `x` (sequence on `axis`) in the zigzag layout."""
-  return _move_chunks(x, axis, axis_name, _zigzag_sources(num_devices))
+def ordered_ppermutes(sends, axis_name) -> list:
+  """`lax.ppermute(x, axis_name, perm)` for each (x, perm) of `sends`, one
+  after another: XLA:CPU's runtime can mix up the participants of
+  collective-permutes that run at the same time, so each one's operand waits
+  (`optimization_barrier`) for the previous one's result."""
+  received = []
+  for x, perm in sends:
+    if received:
+      x, _ = jax.lax.optimization_barrier((x, received[-1]))
+    received.append(jax.lax.ppermute(x, axis_name, perm))
+  return received
 
 
-def from_zigzag(x, axis: int, axis_name, num_devices: int):
+def to_zigzag(arrays, axis_name, num_devices: int) -> list:
+  """Contiguously sharded arrays, each given as (array, its sequence axis),
+  in the zigzag layout."""
+  return _move_chunks(arrays, axis_name, _zigzag_sources(num_devices))
+
+
+def from_zigzag(arrays, axis_name, num_devices: int) -> list:
   """The inverse of `to_zigzag`."""
   inverse = {source: target for target, source in _zigzag_sources(num_devices).items()}
-  return _move_chunks(x, axis, axis_name, inverse)
+  return _move_chunks(arrays, axis_name, inverse)

@@ -23,6 +23,7 @@ cannot batch, the pass runs vmapped and unpartitioned.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -56,16 +57,27 @@ class Shard:
   batch_axes: tuple = ()
   head_axes: tuple = ()
 
-  def sum_over_unsharded(self, x, dims: Dims):
-    """`x`, computed from this shard's rows and heads, summed over the
-    shards that hold the same part of it: those that split an axis (batch
-    or heads) that `dims` does not follow."""
-    axes = ()
-    if BATCH not in dims.roles:
-      axes += self.batch_axes
-    if HEADS not in dims.roles:
-      axes += self.head_axes
-    return jax.lax.psum(x, axes) if axes else x
+  def sum_over_unsharded(self, pairs) -> list:
+    """Each `x` of (x, dims) `pairs`, computed from this shard's rows and
+    heads, summed over the shards that hold the same part of it: those that
+    split an axis (batch or heads) that its `dims` do not follow. One psum
+    per set of mesh axes, one after another (as layout.ordered_ppermutes)."""
+    groups = collections.defaultdict(list)
+    for n, (_, dims) in enumerate(pairs):
+      axes = ((self.batch_axes if BATCH not in dims.roles else ())
+              + (self.head_axes if HEADS not in dims.roles else ()))
+      if axes:
+        groups[axes].append(n)
+    summed = [x for x, _ in pairs]
+    previous = None
+    for axes, members in groups.items():
+      values = [summed[n] for n in members]
+      if previous is not None:
+        values, _ = jax.lax.optimization_barrier((values, previous))
+      previous = jax.lax.psum(values, axes)
+      for n, value in zip(members, previous):
+        summed[n] = value
+    return summed
 
 
 UNSHARDED = Shard({})

@@ -131,7 +131,9 @@ def _when(live, compute, skipped):
 def _pass_on(ring: _Ring, place: _Place, tree):
   """Each array of `tree` sent to the next device of the ring."""
   perm = [(i, (i + 1) % place.num) for i in range(place.num)]
-  return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
+  leaves, structure = jax.tree.flatten(tree)
+  received = layout_lib.ordered_ppermutes([(x, perm) for x in leaves], ring.axis_name)
+  return jax.tree.unflatten(structure, received)
 
 
 def _merge(kind: str, acc, part):
@@ -189,9 +191,9 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                                               for x in (q, *block[:2])))
 
   def visit(step, block, dq, acc, send_block: bool, receive_acc: bool):
-    next_block = _pass_on(ring, place, block) if send_block else block
-    if receive_acc:
-      acc = _pass_on(ring, place, acc)
+    sent = _pass_on(ring, place, (block if send_block else None, acc if receive_acc else None))
+    next_block = sent[0] if send_block else block
+    acc = sent[1] if receive_acc else acc
     g_q, g_k, g_v = gradients(step, block)
     return next_block, dq + g_q, (acc[0] + g_k, acc[1] + g_v)
 

@@ -82,11 +82,13 @@ def backward(run, spec, res, d_out, d_stat):
     local_res = dataclasses.replace(res, consts=local_consts,
                                     differentiated=res.differentiated + (False,) * extra)
     dq, dk, dv, (score_grads, _), _, d_sinks = run(local_spec, local_res, d_out, d_stat)
-    score_grads = tuple(None if g is None else shard.sum_over_unsharded(g, dims)
-                        for g, dims in zip(score_grads, score_dims))
-    if d_sinks is not None:
-      d_sinks = shard.sum_over_unsharded(d_sinks, SINK_DIMS)
-    return dq, dk, dv, score_grads, d_sinks
+    score_grads = score_grads[:len(score_dims)]  # the offsets' (None) dropped
+    pairs = [(g, dims) for g, dims in zip(score_grads + (d_sinks,), score_dims + (SINK_DIMS,))
+             if g is not None]
+    summed = iter(shard.sum_over_unsharded(pairs))
+    *score_grads, d_sinks = [None if g is None else next(summed)
+                             for g in score_grads + (d_sinks,)]
+    return dq, dk, dv, tuple(score_grads), d_sinks
 
   res_dims = dataclasses.replace(
       res, q=Q_DIMS, k=KV_DIMS, v=KV_DIMS, consts=consts_dims,
