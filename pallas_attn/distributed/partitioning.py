@@ -159,19 +159,19 @@ def _spec(dims: Dims, axes: dict, mesh) -> NamedSharding:
       (axes.get(role) or None) if role != MIXED else None for role in dims.roles)))
 
 
-def _sharding_rule(arg_dims, out_dims, group: int):
+def _sharding_rule(arg_dims, out_dims, group: int, kv_heads: int):
   """Shardy's rule: batch and head axes are shared factors (query heads as
-  (kv head, group) so that both head counts split together), every other
-  axis its own factor."""
+  (kv head, group) so that both head counts split together; apart with a
+  single kv head, which cannot be split), every other axis its own factor."""
   names = iter(f"x{n}" for n in range(1 << 30))
-  heads = "(k g)" if group > 1 else "k"
+  heads = "k" if group == 1 else "(k g)" if kv_heads > 1 else "h"
   factor = {BATCH: "b", HEADS: heads, KV_HEADS: "k"}
 
   def operand(dims):
     return " ".join(factor.get(role) or next(names) for role in dims.roles)
   rule = (", ".join(map(operand, jax.tree.leaves(arg_dims))) + " -> "
           + ", ".join(map(operand, jax.tree.leaves(out_dims))))
-  return rule, ({"g": group} if group > 1 else {})
+  return rule, ({"g": group} if group > 1 and kv_heads > 1 else {})
 
 
 def _on_shard(fn, tree, mesh, q, batch_axes, head_axes):
@@ -252,7 +252,7 @@ def partitioned(fn, args, arg_dims, out_dims, *, group: int):
   mesh = explicit_mesh(leaves[0])
   if mesh is not None:
     return _shard_mapped(fn, leaves, tree, dim_leaves, out_dims, mesh)
-  rule, factor_sizes = _sharding_rule(dim_leaves, out_dims, group)
+  rule, factor_sizes = _sharding_rule(dim_leaves, out_dims, group, leaves[1].shape[2])
   sharded = custom_partitioning(inline)
   sharded.def_partition(partition, infer_sharding_from_operands=infer,
                         sharding_rule=rule, **factor_sizes)
