@@ -59,7 +59,7 @@ def compare(name, got, want, dtype):
   want_out, want_grads = want
   errors = [rel_err(got_out, want_out)] + [rel_err(g, w) for g, w in zip(got_grads, want_grads)]
   assert max(errors) <= TOLERANCE[dtype], f"{name}: relative errors {errors}"
-  return errors
+  return f"max relative error {max(errors):.2e}"
 
 
 def float_collectives(hlo: str) -> list:
@@ -105,33 +105,34 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
   args += [jax.device_put(slopes, NamedSharding(mesh, P("model"))), sinks,
            jax.device_put(ids, NamedSharding(mesh, P("data")))]
   got, hlo = output_and_grads(ours, args, 5, hlo=True)
-  errors = compare("batch/head sharding", got, output_and_grads(reference, args, 5),
-                   jnp.float32)
+  summary = compare("batch/head sharding", got, output_and_grads(reference, args, 5),
+                    jnp.float32)
   assert got[0].sharding.is_equivalent_to(qkv_sharding, 4), got[0].sharding
   gathered = float_collectives(hlo)  # of the forward and the backward
   assert not gathered, f"float all-gathers / all-to-alls {gathered}"
   # vmap (which custom_partitioning cannot batch) falls back to the unpartitioned pass.
-  stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]
-  vmapped = jax.jit(jax.vmap(lambda q, k, v: ours(q, k, v, slopes, sinks, ids)))(*stacked)
-  errors.append(rel_err(vmapped[1], reference(*(x[1] for x in stacked), slopes, sinks, ids)))
-  return errors
+  score_mod = variant(slopes, ids)["score_mod"]
+  stacked = [jnp.stack([x, 2 * x]) for x in args[:3]]
+  vmapped = jax.jit(jax.vmap(lambda q, k, v: pa.attention(
+      q, k, v, score_mod=score_mod, config=config, interpret=interpret)))(*stacked)
+  vmap_error = rel_err(vmapped[1], pa.attention_reference(
+      *(x[1] for x in stacked), score_mod=score_mod))
+  assert vmap_error <= TOLERANCE[jnp.float32], f"vmap: relative error {vmap_error}"
+  return summary
 
 
 def check_explicit_sharding(config, interpret, mesh_shape):
-  """The same under explicit sharding types (a shard_map per pass), and a
-  sharded sequence axis refused with a pointer to context parallelism."""
+  """Explicit sharding types (a shard_map per pass), and a sharded
+  sequence axis refused with a pointer to context parallelism."""
   mesh = jax.make_mesh(mesh_shape, ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   q, k, v = random_qkv(2 * mesh_shape[0], 20, 2 * mesh_shape[1], mesh_shape[1], 16, 16,
                        jnp.float32)
-  causal = variants.causal().kwargs()
-
   def ours(q, k, v):
-    return pa.attention(q, k, v, config=config, bwd_config=config, interpret=interpret,
-                        **causal)
+    return pa.attention(q, k, v, config=config, bwd_config=config, interpret=interpret)
   args = [jax.device_put(x, NamedSharding(mesh, P("data", None, "model"))) for x in (q, k, v)]
-  errors = compare("explicit sharding", output_and_grads(ours, args, 3),
-                   output_and_grads(lambda *a: pa.attention_reference(*a, **causal), args, 3),
+  summary = compare("explicit sharding", output_and_grads(ours, args, 3),
+                   output_and_grads(pa.attention_reference, args, 3),
                    jnp.float32)
   sequence_sharded = jax.device_put(q, NamedSharding(mesh, P(None, "data")))
   try:
@@ -140,7 +141,7 @@ def check_explicit_sharding(config, interpret, mesh_shape):
     assert "context_parallel_attention" in str(e), e
   else:
     raise AssertionError("a sequence-sharded q was not refused")
-  return errors
+  return summary
 
 
 class _StepCounter:
@@ -189,11 +190,12 @@ def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kw
     got = output_and_grads(ours, args, len(args))
     jax.block_until_ready(got)
     jax.effects_barrier()
-  errors = compare(name, got, output_and_grads(reference, args, len(args)), dtype)
+  summary = compare(name, got, output_and_grads(reference, args, len(args)), dtype)
   if expect_live is not None:  # forward and backward each visit num steps per device
     live = sum(counter.live)
     assert live == expect_live, f"{name}: {live} ring steps ran kernels, expected {expect_live}"
-  return errors
+    summary += f", {live} of {2 * num * num} steps ran kernels"
+  return summary
 
 
 def check_ring_in_shard_map(config, interpret, num):
@@ -225,6 +227,27 @@ def check_ring_in_shard_map(config, interpret, num):
     return pa.attention_reference(q, k, v, score_mod=score_mod, mask_mod=causal.mask_mod)
   return compare("ring_attention in shard_map", output_and_grads(ours, (q, k, v), 3),
                  output_and_grads(reference, (q, k, v), 3), jnp.float32)
+
+
+def check_ring_memory(config, interpret, num):
+  """The ring's backward keeps one device's shard, not one per step: the
+  compiled gradient's temporary memory on `num` devices is that on two
+  (with the same local length; differentiating through the forward ring
+  would keep each step's keys, values and partial output)."""
+  def temp_bytes(devices):
+    mesh = jax.make_mesh((devices,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:devices])
+    spec = NamedSharding(mesh, P(None, "seq"))
+    x = jax.sharding.reshard(jnp.ones((1, 64 * devices, 2, 16)), spec)
+    ring = jax.shard_map(
+        lambda q, k, v: pa.ring_attention(q, k, v, axis_name="seq", config=config,
+                                          bwd_config=config, interpret=interpret),
+        mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=False)
+    grad = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v).sum(), (0, 1, 2)))
+    return grad.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+  two, many = temp_bytes(2), temp_bytes(num)
+  assert many <= 1.1 * two, f"temporary bytes: {many} on {num} devices, {two} on two"
+  return f"gradient temporaries {many} bytes on {num} devices, {two} on two"
 
 
 def context_parallel_cases(num):
@@ -278,15 +301,16 @@ def main():
                        config, interpret, num, name, **case)))
   checks.append(("ring_attention in shard_map",
                  lambda: check_ring_in_shard_map(config, interpret, num)))
+  if num > 2:
+    checks.append(("ring memory", lambda: check_ring_memory(config, interpret, num)))
   failed = []
   for name, check in checks:
     if args.only not in name:
       continue
     try:
       start = time.perf_counter()
-      errors = check()
-      print(f"ok    {name}: max relative error {max(errors):.2e} "
-            f"({time.perf_counter() - start:.0f} s)", flush=True)
+      summary = check()
+      print(f"ok    {name}: {summary} ({time.perf_counter() - start:.0f} s)", flush=True)
     except Exception:  # report every check, then fail
       failed.append(name)
       print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)

@@ -75,13 +75,15 @@ def _move_chunks(arrays, axis_name, sources: dict) -> list:
 
 
 def ordered_ppermutes(sends, axis_name) -> list:
-  """`lax.ppermute(x, axis_name, perm)` for each (x, perm) of `sends`, one
-  after another: XLA:CPU's runtime can mix up the participants of
-  collective-permutes that run at the same time, so each one's operand waits
-  (`optimization_barrier`) for the previous one's result."""
+  """`lax.ppermute(x, axis_name, perm)` for each (x, perm) of `sends`. On
+  CPU one after another: XLA:CPU's runtime can mix up the participants of
+  collective-permutes that run at the same time, so there each one's operand
+  waits (`optimization_barrier`) for the previous one's result. GPUs keep
+  them independent, free to overlap with compute."""
+  sequential = jax.default_backend() == "cpu"
   received = []
   for x, perm in sends:
-    if received:
+    if received and sequential:
       x, _ = jax.lax.optimization_barrier((x, received[-1]))
     received.append(jax.lax.ppermute(x, axis_name, perm))
   return received

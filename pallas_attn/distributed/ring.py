@@ -164,12 +164,12 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
                  lambda: (empty[0].astype(q.dtype), empty[1]))
     return _merge(kind, acc, part)
 
-  def body(step, carry):
+  def body(step, carry):  # the last step's transfer is not needed, but keeps one loop body
     block, acc = carry
     return _pass_on(ring, place, block), attend(step, block, acc)
 
-  block, acc = lax.fori_loop(0, place.num - 1, body, ((k, v, kv_ids), empty))
-  return attend(place.num - 1, block, acc)
+  _, acc = lax.fori_loop(0, place.num, body, ((k, v, kv_ids), empty))
+  return acc
 
 
 def _backward(ring: _Ring, residuals, d_out, d_lse):
@@ -190,21 +190,18 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     return _when(live, compute, lambda: tuple(jnp.zeros(x.shape, jnp.float32)
                                               for x in (q, *block[:2])))
 
-  def visit(step, block, dq, acc, send_block: bool, receive_acc: bool):
-    sent = _pass_on(ring, place, (block if send_block else None, acc if receive_acc else None))
-    next_block = sent[0] if send_block else block
-    acc = sent[1] if receive_acc else acc
+  def visit(step, carry):
+    """Step `step`: the accumulator of the block held now arrives from the
+    previous device (zeros at step 0), this device's part is added to it."""
+    block, dq, acc = carry
+    next_block, acc = _pass_on(ring, place, (block, acc))
     g_q, g_k, g_v = gradients(step, block)
     return next_block, dq + g_q, (acc[0] + g_k, acc[1] + g_v)
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  last = place.num - 1
-  carry = visit(0, (k, v, kv_ids), zeros(q), (zeros(k), zeros(v)), last > 0, False)
-  carry = lax.fori_loop(1, last, lambda step, c: visit(step, *c, True, True), carry)
-  if last > 0:
-    carry = visit(last, *carry, False, True)
-  _, dq, acc = carry
-  dk, dv = _pass_on(ring, place, acc) if last > 0 else acc
+  _, dq, acc = lax.fori_loop(0, place.num, visit,
+                             ((k, v, kv_ids), zeros(q), (zeros(k), zeros(v))))
+  dk, dv = _pass_on(ring, place, acc)  # to the device the block started on
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
