@@ -150,7 +150,8 @@ def _merge(kind: str, acc, part):
 
 
 def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
-  """(output float32 `[B, Sq, Hq, Dv]`, log-sum-exp `[B, Hq, Sq]`) over the ring."""
+  """(output `[B, Sq, Hq, Dv]`, log-sum-exp `[B, Hq, Sq]`) over the ring,
+  merged in float32."""
   place = _place(ring, q)
   batch, seq_q, heads, _ = q.shape
   empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), jnp.float32),
@@ -168,8 +169,8 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
     block, acc = carry
     return _pass_on(ring, place, block), attend(step, block, acc)
 
-  _, acc = lax.fori_loop(0, place.num, body, ((k, v, kv_ids), empty))
-  return acc
+  _, (out, lse) = lax.fori_loop(0, place.num, body, ((k, v, kv_ids), empty))
+  return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
 
 
 def _backward(ring: _Ring, residuals, d_out, d_lse):
@@ -215,7 +216,7 @@ def _check_captures_not_differentiated(score_consts):
 
 
 def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
-  """The differentiable ring: (output float32, log-sum-exp)."""
+  """The differentiable ring: (output, log-sum-exp)."""
   core = jax.custom_vjp(functools.partial(_forward, ring))
 
   def fwd(q, k, v, q_ids, kv_ids, consts):
@@ -286,7 +287,8 @@ def _with_sinks(out, lse, sinks, head_offset):
     raise ValueError(f"sinks must be [Hq] (one logit per query head); got {sinks.shape}")
   merged = jnp.logaddexp(lse, sinks[None, :, None])
   safe = jnp.where(merged == -jnp.inf, 0.0, merged)
-  return out * jnp.transpose(jnp.exp(lse - safe), (0, 2, 1))[..., None], merged
+  scale = jnp.transpose(jnp.exp(lse - safe), (0, 2, 1))[..., None]
+  return (out.astype(jnp.float32) * scale).astype(out.dtype), merged
 
 
 def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
@@ -325,7 +327,6 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   if sinks is not None:
     head_offset = None if head_axis is None else lax.axis_index(head_axis) * q.shape[2]
     out, lse = _with_sinks(out, lse, sinks, head_offset)
-  out = out.astype(q.dtype)
   if not return_lse:
     return out
   return out, (None if analysis.rownorm.kind == "elementwise" else lse)
