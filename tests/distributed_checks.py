@@ -11,6 +11,7 @@ one process so that JAX starts once. Exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import time
@@ -76,8 +77,8 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
   """attention under jit on q/k/v sharded over batch and heads: outputs and
   gradients (of q, k, v, a per-head captured array and sinks) as on one
   device, with global b/h in score_mod / mask_mod and no float all-gather
-  in the compiled forward or backward. (Under vmap the passes run
-  unpartitioned: the single-device vmap tests cover that path.)"""
+  in the compiled forward or backward; under vmap (which
+  custom_partitioning cannot batch) gradients from unpartitioned passes."""
   mesh = jax.make_mesh(mesh_shape, ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   batch, seq, heads, kv_heads = 2 * mesh_shape[0], 24, 2 * mesh_shape[1], mesh_shape[1]
@@ -111,6 +112,16 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
   assert got[0].sharding.is_equivalent_to(qkv_sharding, 4), got[0].sharding
   gathered = float_collectives(hlo)  # of the forward and the backward
   assert not gathered, f"float all-gathers / all-to-alls {gathered}"
+
+  def loss(attention, q, k, v):
+    return jnp.sum(attention(q, k, v) ** 2)
+  vanilla = lambda q, k, v: pa.attention(q, k, v, config=config, bwd_config=config,
+                                         interpret=interpret)
+  stacked = [jnp.stack([x, 2 * x]) for x in args[:3]]
+  got = jax.jit(jax.vmap(jax.grad(functools.partial(loss, vanilla))))(*stacked)
+  want = jax.grad(functools.partial(loss, pa.attention_reference))(*(x[1] for x in stacked))
+  vmap_error = rel_err(got[1], want)
+  assert vmap_error <= TOLERANCE[jnp.float32], f"vmap of grad: relative error {vmap_error}"
   return summary
 
 

@@ -19,7 +19,9 @@ not sharded like the batch or heads), what each computed locally.
 
 Outside a multi-device jit (one device, inside `shard_map`, eager) JAX
 inlines the pass unchanged; under `jax.vmap`, which custom_partitioning
-cannot batch, the pass runs vmapped and unpartitioned.
+cannot batch, the pass runs vmapped and unpartitioned. Under explicit
+sharding types the shardings are known while tracing and a `shard_map`
+replaces the custom partitioning.
 """
 from __future__ import annotations
 
@@ -159,6 +161,16 @@ def _spec(dims: Dims, axes: dict, mesh) -> NamedSharding:
       (axes.get(role) or None) if role != MIXED else None for role in dims.roles)))
 
 
+def _shardings(mesh, q, k, v, dim_leaves, out_dims) -> tuple:
+  """((batch mesh axes, head mesh axes), the outputs' shardings, the
+  operands') from the shardings of q, k, v (shapes with shardings)."""
+  batch_axes, head_axes = _mesh_axes(mesh, q, k, v)
+  axes = {BATCH: batch_axes, HEADS: head_axes, KV_HEADS: head_axes}
+  to_sharding = functools.partial(_spec, axes=axes, mesh=mesh)
+  return ((batch_axes, head_axes), jax.tree.map(to_sharding, out_dims),
+          tuple(map(to_sharding, dim_leaves)))
+
+
 def _sharding_rule(arg_dims, out_dims, group: int, kv_heads: int):
   """Shardy's rule: batch and head axes are shared factors (query heads as
   (kv head, group) so that both head counts split together; apart with a
@@ -202,17 +214,15 @@ def _shard_mapped(fn, leaves, tree, dim_leaves, out_dims, mesh):
   """The explicit-sharding path: shardings are in the types, so a
   `shard_map` over the batch and head axes runs `fn` per shard."""
   q, k, v = (jax.typeof(x) for x in leaves[:3])
-  batch_axes, head_axes = _mesh_axes(mesh, q, k, v)
-  if not batch_axes + head_axes:
+  axes, out_shardings, arg_shardings = _shardings(mesh, q, k, v, dim_leaves, out_dims)
+  if not axes[0] + axes[1]:
     return fn(UNSHARDED, *jax.tree.unflatten(tree, leaves))
-  axes = {BATCH: batch_axes, HEADS: head_axes, KV_HEADS: head_axes}
-  spec = lambda dims: _spec(dims, axes, mesh).spec
-  in_specs = tuple(map(spec, dim_leaves))
-  leaves = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(leaves, in_specs)]
+  leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, arg_shardings)]
+  spec = lambda sharding: sharding.spec
   return jax.shard_map(
-      _on_shard(fn, tree, mesh, q, batch_axes, head_axes), mesh=mesh, in_specs=in_specs,
-      out_specs=jax.tree.map(spec, out_dims), axis_names=set(batch_axes + head_axes),
-      check_vma=False)(*leaves)
+      _on_shard(fn, tree, mesh, q, *axes), mesh=mesh,
+      in_specs=tuple(map(spec, arg_shardings)), out_specs=jax.tree.map(spec, out_shardings),
+      axis_names=set(axes[0] + axes[1]), check_vma=False)(*leaves)
 
 
 def partitioned(fn, args, arg_dims, out_dims, *, group: int):
@@ -222,6 +232,8 @@ def partitioned(fn, args, arg_dims, out_dims, *, group: int):
   `arg_dims` / `out_dims` mirror `args` and `fn`'s outputs with a `Dims`
   per array. `group`: query heads per kv head.
   """
+  if jax.device_count() == 1:
+    return fn(UNSHARDED, *args)
   leaves, tree = jax.tree.flatten(args)
   dim_leaves = tree.flatten_up_to(arg_dims)
 
@@ -231,22 +243,14 @@ def partitioned(fn, args, arg_dims, out_dims, *, group: int):
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
     try:
-      return _shardings(mesh, arg_shapes)[1]
+      return _shardings(mesh, *arg_shapes[:3], dim_leaves, out_dims)[1]
     except (ValueError, AttributeError):  # GSPMD aborts on errors here; `partition` reports them
       return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), out_dims)
 
-  def _shardings(mesh, arg_shapes):
-    q, k, v = arg_shapes[:3]
-    batch_axes, head_axes = _mesh_axes(mesh, q, k, v)
-    axes = {BATCH: batch_axes, HEADS: head_axes, KV_HEADS: head_axes}
-    to_sharding = functools.partial(_spec, axes=axes, mesh=mesh)
-    arg_shardings = tuple(map(to_sharding, dim_leaves))
-    out_shardings = jax.tree.map(to_sharding, out_dims)
-    return (batch_axes, head_axes), out_shardings, arg_shardings
-
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    axes, out_shardings, arg_shardings = _shardings(mesh, arg_shapes)
+    axes, out_shardings, arg_shardings = _shardings(mesh, *arg_shapes[:3], dim_leaves,
+                                                    out_dims)
     return mesh, _on_shard(fn, tree, mesh, arg_shapes[0], *axes), out_shardings, arg_shardings
 
   mesh = explicit_mesh(leaves[0])
