@@ -126,18 +126,22 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
 
 
 def check_explicit_sharding(config, interpret, mesh_shape):
-  """Explicit sharding types (a shard_map per pass), and a sharded
+  """Explicit sharding types (a shard_map per pass) with a normalized
+  rownorm (whose row statistics the backward also reads), and a sharded
   sequence axis refused with a pointer to context parallelism."""
   mesh = jax.make_mesh(mesh_shape, ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   q, k, v = random_qkv(2 * mesh_shape[0], 20, 2 * mesh_shape[1], mesh_shape[1], 16, 16,
                        jnp.float32)
+  rownorm = variants.retention_norm
+
   def ours(q, k, v):
-    return pa.attention(q, k, v, config=config, bwd_config=config, interpret=interpret)
+    return pa.attention(q, k, v, rownorm=rownorm, config=config, bwd_config=config,
+                        interpret=interpret)
   args = [jax.device_put(x, NamedSharding(mesh, P("data", None, "model"))) for x in (q, k, v)]
   summary = compare("explicit sharding", output_and_grads(ours, args, 3),
-                   output_and_grads(pa.attention_reference, args, 3),
-                   jnp.float32)
+                    output_and_grads(lambda *a: pa.attention_reference(*a, rownorm=rownorm),
+                                     args, 3), jnp.float32)
   sequence_sharded = jax.device_put(q, NamedSharding(mesh, P(None, "data")))
   try:
     jax.jit(ours)(sequence_sharded, *args[1:])

@@ -18,15 +18,15 @@ from pallas_attn.kernels.block_mask import keeps_nothing_between
 from pallas_attn.spec.analysis import analyze_variant
 
 
-def _balances(mask_mod, seq_q: int, seq_kv: int) -> bool:
-  """Whether zigzag evens out the work: mask_mod (by tile bounds, for any
-  captured values) keeps no key past the queries of the first block, as
-  causal masks do (causal, causal windows and documents, prefix-LM
-  bounds permitting)."""
+def _balances(mask_mod, seq_kv: int) -> bool:
+  """Whether the zigzag layout evens out the work: mask_mod is causal-like,
+  its first query keeping not the last key for any b, h and captured
+  values (by tile bounds; true of causal masks, causal windows and causal
+  documents). Without a mask every device has the same work anyway."""
   if mask_mod is None:
     return False
   analysis = analyze_variant(mask_mod=mask_mod)
-  return keeps_nothing_between(analysis, (0, 0), (seq_kv - 1, seq_kv - 1)) and seq_q > 1
+  return keeps_nothing_between(analysis, (0, 0), (seq_kv - 1, seq_kv - 1))
 
 
 def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
@@ -55,11 +55,11 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
       raise ValueError(f"context_parallel_attention: the {name} sequence ({length}) must "
                        f"split evenly over the {num} devices of mesh axis {seq_axis!r}")
   if load_balance is None:
-    load_balance = num > 1 and _balances(attention_kwargs.get("mask_mod"), seq_q, seq_kv)
+    load_balance = num > 1 and _balances(attention_kwargs.get("mask_mod"), seq_kv)
   layout = layout_lib.ZIGZAG if load_balance else layout_lib.CONTIGUOUS
   layout_lib.check_layout(layout, seq_q // num, seq_kv // num)
   qkv_spec = PartitionSpec(batch_axis, seq_axis, head_axis, None)
-  ids = ring_lib._segment_ids(segment_ids, q.shape[0], seq_q, seq_kv)
+  ids = ring_lib.segment_id_pair(segment_ids, q.shape[0], seq_q, seq_kv)
   ids_spec = PartitionSpec(batch_axis, seq_axis)
   out_specs = qkv_spec
   if return_lse:

@@ -227,19 +227,18 @@ def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
     return (out, lse), (*primals, out, lse)
 
   def bwd(residuals, cotangents):
-    d_out, d_lse = cotangents
+    *_, consts, out, lse = residuals
     zero = lambda ct, like: (jnp.zeros(like.shape, like.dtype)
                              if isinstance(ct, jax.custom_derivatives.SymbolicZero) else ct)
-    d_out, d_lse = zero(d_out, residuals[-2]), zero(d_lse, residuals[-1])
+    d_out, d_lse = (zero(ct, like) for ct, like in zip(cotangents, (out, lse)))
     dq, dk, dv = _backward(ring, residuals, d_out, d_lse)
-    consts = residuals[5]
     return dq, dk, dv, None, None, jax.tree.map(lambda _: None, consts)
 
   core.defvjp(fwd, bwd, symbolic_zeros=True)
   return core(q, k, v, q_ids, kv_ids, consts)
 
 
-def _segment_ids(segment_ids, batch: int, seq_q: int, seq_kv: int):
+def segment_id_pair(segment_ids, batch: int, seq_q: int, seq_kv: int):
   """(q ids `[B, Sq]`, kv ids `[B, Skv]`) int32 from `segment_ids` (one
   array for both, or a pair), or (None, None)."""
   if segment_ids is None:
@@ -317,7 +316,7 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   layout_lib.check_layout(layout, q.shape[1], k.shape[1])
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   check_rownorm(analysis, sinks)
-  q_ids, kv_ids = _segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
+  q_ids, kv_ids = segment_id_pair(segment_ids, q.shape[0], q.shape[1], k.shape[1])
   options = dict(rownorm=rownorm, scale=scale, config=config, bwd_config=bwd_config,
                  interpret=interpret, implementation=implementation)
   ring = _Ring(axis_name, layout, analysis, options, batch_axis, head_axis)
