@@ -1,6 +1,7 @@
 """pallas_attn: attention variants written as plain JAX, compiled to fused Pallas kernels."""
 from pallas_attn.api import attention
 from pallas_attn.decode import decode_attention, paged_attention
+from pallas_attn.distributed import context_parallel_attention, ring_attention
 from pallas_attn.kernels.block_mask import BlockMask, block_mask
 from pallas_attn.linear import linear_attention, linear_attention_step
 from pallas_attn.reference import attention_reference
@@ -13,5 +14,6 @@ __all__ = [
     "attention", "attention_reference", "BlockMask", "block_mask", "linear_attention",
     "linear_attention_step", "AttentionConfig", "LinearAttentionConfig", "analyze_variant",
     "VariantError", "variants", "decode_attention", "paged_attention", "DecodeConfig",
+    "context_parallel_attention", "ring_attention",
 ]
 __version__ = "0.1.0"

@@ -144,6 +144,24 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   split-KV decoding template (`decode_attention`'s; `pallas-attn explain`
   says which ran); differentiated, such a call runs the parallel template.
   """
+  call, consts, block_masks, sinks, core = _prepare(
+      q, k, v, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
+      sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
+      interpret=interpret, implementation=implementation, allow_split_kv=True)
+  out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
+  if not return_lse:
+    return out
+  return out, (None if call.analysis.rownorm.kind == "elementwise" else stat)
+
+
+def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
+             sinks=None, block_mask=None, config=None, bwd_config=None, interpret=None,
+             implementation=None, allow_split_kv=False) -> tuple:
+  """`attention`'s work before the kernels (checks, analysis, lowering,
+  configs, block masks, sinks): `(call, consts, block_masks, sinks, core)`,
+  `core` being `_attention` or, where `allow_split_kv` and the schedule
+  prefer it for a few queries, the split-KV template's forward in front of
+  it. The ring steps of pallas_attn.distributed call it too."""
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   interpret = backend.resolve_interpret(interpret)
@@ -156,7 +174,8 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
                            "backward_mosaic" if lowering.backward == mosaic else "backward",
                            analysis, q, k, v)
   split_kv = None  # a few queries: the split-KV template (pallas_attn/decode.py)
-  if config in (None, "auto") and implementation is None and block_mask is None:
+  if (allow_split_kv and config in (None, "auto") and implementation is None
+      and block_mask is None):
     from pallas_attn import decode  # imports this module
     split_kv = decode.split_kv_call(analysis, q, k, v, scale, interpret)
   block_masks = (None if split_kv else
@@ -177,10 +196,7 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
                lowering.forward, lowering.backward)
   core = (_attention if split_kv is None else
           functools.partial(decode.split_kv_attention, split_kv=split_kv, dense=_attention))
-  out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
-  if not return_lse:
-    return out
-  return out, (None if analysis.rownorm.kind == "elementwise" else stat)
+  return call, consts, block_masks, sinks, core
 
 
 def _resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
@@ -287,12 +303,15 @@ class _Call:
 
 
 @functools.partial(jax.jit, static_argnames="call")
-def _attention(q, k, v, consts, block_masks, sinks, *, call: _Call):
+def _attention(q, k, v, consts, block_masks, sinks, recorded=None, *, call: _Call):
   """Pads to the blocks of both passes, runs the differentiable core, unpads.
 
   Jitted with the call's static part as the key, so that eager calls
   (outside any jit) compile once per variant and shape, not on every call;
-  under an outer jit it is inlined.
+  under an outer jit it is inlined. With `recorded` = (out, row statistic)
+  it runs no forward: it returns those, and its gradient is attention's
+  backward with them as the saved output and statistic (ring attention's
+  backward steps: each block of keys against the merged rows).
   """
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
@@ -311,5 +330,12 @@ def _attention(q, k, v, consts, block_masks, sinks, *, call: _Call):
       seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
       config=cfg, bwd_config=bwd_cfg, interpret=call.interpret,
       forward_lowering=call.forward_lowering, backward_lowering=call.backward_lowering)
-  out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
+  if recorded is None:
+    out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
+  else:
+    out, stat = recorded
+    out = _pad_to(_pad_to(out.astype(q.dtype), 1, seq_q_pad), 3, d_v_pad)
+    stat = jnp.pad(stat, [(0, 0), (0, 0), (0, seq_q_pad - seq_q)], constant_values=-jnp.inf)
+    out, stat = attention_vjp.recorded_core(qp, kp, vp, consts, block_masks, sinks, out, stat,
+                                            spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]

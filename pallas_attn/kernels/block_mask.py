@@ -1003,6 +1003,19 @@ def has_tile_bounds(analysis: VariantAnalysis) -> bool:
   return bool(jax.make_jaxpr(bound)().out_avals)
 
 
+def keeps_nothing_between(analysis: VariantAnalysis, q_span: tuple, kv_span: tuple) -> bool:
+  """Whether tile bounds show that mask_mod keeps no position with q_idx and
+  kv_idx in the inclusive spans, for every b, h and every value of its
+  captured arrays (True for causal masks with the queries before the keys)."""
+  def bound():
+    rng = lambda lo, hi: _Range(_i32(lo), _i32(hi), _i32(1), np.dtype(np.int32))
+    inputs = (rng(0, _I32.max), rng(0, _I32.max), rng(*q_span), rng(*kv_span))
+    return _tile_bounds(analysis.mask_mod, inputs, [_UNKNOWN] * len(analysis.mask_mod.uses))
+  with jax.ensure_compile_time_eval():
+    result = bound()
+  return result is not None and int(result[1]) == 0
+
+
 def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> str:
   """One line on what `attention` pays to build the block mask of `analysis`
   when no block_mask is passed (`pallas-attn explain`)."""

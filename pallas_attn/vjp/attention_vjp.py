@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_attn.distributed import sharded_passes
 from pallas_attn.kernels import lowering, parallel_forward, tiles
 from pallas_attn.kernels.online import run_row_program
 from pallas_attn.schedule.config import AttentionConfig
@@ -117,8 +118,42 @@ def attention_core(q, k, v, consts, block_masks, sinks, *, spec: CoreSpec):
   return core(q, k, v, consts, block_masks, sinks)
 
 
+def recorded_core(q, k, v, consts, block_masks, sinks, out, stat, *, spec: CoreSpec):
+  """`(out, stat)` as given, with the gradient of attention at (q, k, v)
+  whose saved output and row statistic they are (no forward runs).
+
+  Ring attention's backward step: the keys of one block against the rows
+  merged over all blocks, whose output and log-sum-exp are the ones the
+  gradient of each block's part needs. `out` and `stat` get no cotangent.
+  Softmax and elementwise rownorms (normalized ones save more statistics).
+  """
+  if spec.analysis.rownorm.kind == "normalized":
+    raise ValueError("recorded statistics: normalized rownorms are not supported")
+  core = jax.custom_vjp(lambda q, k, v, consts, block_masks, sinks, out, stat: (out, stat))
+
+  def fwd(q, k, v, consts, block_masks, sinks, out, stat):
+    differentiated = _differentiated(consts[0])
+    q, k, v, consts, block_masks, sinks, out, stat = (
+        jax.custom_derivatives.custom_vjp_primal_tree_values(
+            (q, k, v, consts, block_masks, sinks, out, stat)))
+    return (out, stat), _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), sinks, out,
+                                   stat, None, differentiated)
+
+  def bwd(res, cotangents):
+    return _core_bwd(spec, res, cotangents) + (None, None)
+  core.defvjp(fwd, bwd, symbolic_zeros=True)
+  return core(q, k, v, consts, block_masks, sinks, out, stat)
+
+
+def _differentiated(score_consts) -> tuple:
+  """Per score_mod capture (custom_vjp primals): whether it needs a gradient."""
+  return tuple(c.perturbed and jnp.issubdtype(jnp.result_type(c.value), jnp.floating)
+               for c in score_consts)
+
+
 def _primal(spec, q, k, v, consts, block_masks, sinks):
-  out, stat, _ = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0), sinks)
+  out, stat, _ = sharded_passes.forward(_forward, spec, q, k, v, consts,
+                                        _pass_mask(block_masks, 0), sinks)
   return out, stat
 
 
@@ -128,13 +163,11 @@ def _pass_mask(block_masks, n: int):
 
 
 def _core_fwd(spec, q, k, v, consts, block_masks, sinks):
-  score_consts = consts[0]
-  differentiated = tuple(
-      c.perturbed and jnp.issubdtype(jnp.result_type(c.value), jnp.floating)
-      for c in score_consts)
+  differentiated = _differentiated(consts[0])
   q, k, v, consts, block_masks, sinks = jax.custom_derivatives.custom_vjp_primal_tree_values(
       (q, k, v, consts, block_masks, sinks))
-  out, stat, row_stats = _forward(spec, q, k, v, consts, _pass_mask(block_masks, 0), sinks)
+  out, stat, row_stats = sharded_passes.forward(_forward, spec, q, k, v, consts,
+                                                _pass_mask(block_masks, 0), sinks)
   return (out, stat), _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), sinks, out,
                                  stat, row_stats, differentiated)
 
@@ -147,6 +180,10 @@ def _core_bwd(spec, res: _Residuals, cotangents):
   d_out, d_stat = cotangents
   d_out = jnp.zeros_like(res.out) if _is_zero(d_out) else d_out
   d_stat = None if _is_zero(d_stat) else d_stat
+  return sharded_passes.backward(_backward, spec, res, d_out, d_stat)
+
+
+def _backward(spec, res: _Residuals, d_out, d_stat):
   analysis = spec.analysis
   capture_arrays, operands = tiles.capture_operands(
       analysis, res.q.shape[1], res.k.shape[1], res.consts)

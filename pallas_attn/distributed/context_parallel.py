@@ -1,0 +1,96 @@
+"""Context parallelism: `attention` on q/k/v sharded along the sequence.
+
+`context_parallel_attention` wraps `ring_attention` in a `jax.shard_map`
+over the mesh: the sequence axis is split over `seq_axis` (and batch and
+heads, optionally, over `batch_axis` and `head_axis`). With load balancing
+it moves each device's shard into the zigzag layout first (two chunks per
+device, so that every device has the same causal work) and the result
+back, with `ppermute`s of half a shard.
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pallas_attn.distributed import layout as layout_lib
+from pallas_attn.distributed import ring as ring_lib
+from pallas_attn.kernels.block_mask import keeps_nothing_between
+from pallas_attn.spec.analysis import analyze_variant
+
+
+def _balances(mask_mod, seq_kv: int) -> bool:
+  """Whether the zigzag layout evens out the work: mask_mod is causal-like,
+  its first query keeping not the last key for any b, h and captured
+  values (by tile bounds; true of causal masks, causal windows and causal
+  documents). Without a mask every device has the same work anyway."""
+  if mask_mod is None:
+    return False
+  analysis = analyze_variant(mask_mod=mask_mod)
+  return keeps_nothing_between(analysis, (0, 0), (seq_kv - 1, seq_kv - 1))
+
+
+def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
+                               segment_ids=None, load_balance=None, return_lse=False,
+                               **attention_kwargs):
+  """`pallas_attn.attention` with the sequence split over mesh axis `seq_axis`.
+
+  q `[B, Sq, Hq, Dqk]`, k `[B, Skv, Hkv, Dqk]`, v `[B, Skv, Hkv, Dv]` (global
+  arrays, e.g. sharded `P(batch_axis, seq_axis, head_axis)`); the output is
+  sharded so. Each device computes its queries against every block of keys
+  in a ring (`ring_attention`), never holding more than two blocks of keys.
+  score_mod and mask_mod see global positions, batch rows and heads, as on
+  one device. `segment_ids` (`[B, S]` or `[S]`, or a pair for queries and
+  keys): document ids, sharded with the sequence, ANDed into the mask as
+  `variants.document` would be; pass them here rather than closing over
+  them, so that each device holds its shard and the key ids travel with
+  the keys. `load_balance`: None (auto) uses the zigzag layout when the
+  mask is causal-like (see `_balances`), True / False force it.
+  `attention_kwargs`: score_mod, mask_mod, rownorm (softmax or elementwise),
+  scale, sinks, config, bwd_config, interpret, implementation.
+  """
+  num = mesh.shape[seq_axis]
+  seq_q, seq_kv = q.shape[1], k.shape[1]
+  for name, length in (("q", seq_q), ("k/v", seq_kv)):
+    if length % num:
+      raise ValueError(f"context_parallel_attention: the {name} sequence ({length}) must "
+                       f"split evenly over the {num} devices of mesh axis {seq_axis!r}")
+  if load_balance is None:
+    load_balance = num > 1 and _balances(attention_kwargs.get("mask_mod"), seq_kv)
+  layout = layout_lib.ZIGZAG if load_balance else layout_lib.CONTIGUOUS
+  layout_lib.check_layout(layout, seq_q // num, seq_kv // num)
+  qkv_spec = PartitionSpec(batch_axis, seq_axis, head_axis, None)
+  ids = ring_lib.segment_id_pair(segment_ids, q.shape[0], seq_q, seq_kv)
+  ids_spec = PartitionSpec(batch_axis, seq_axis)
+  out_specs = qkv_spec
+  if return_lse:
+    out_specs = (qkv_spec, PartitionSpec(batch_axis, head_axis, seq_axis))
+
+  def local(q, k, v, q_ids, kv_ids):
+    def relayout(move, *arrays):
+      """`arrays` ((array or None, sequence axis) pairs) moved in one ordered chain."""
+      if layout == layout_lib.CONTIGUOUS:
+        return [x for x, _ in arrays]
+      present = [(x, axis) for x, axis in arrays if x is not None]
+      moved = iter(move(present, seq_axis, num))
+      return [None if x is None else next(moved) for x, _ in arrays]
+    q, k, v, q_ids, kv_ids = relayout(layout_lib.to_zigzag, (q, 1), (k, 1), (v, 1),
+                                      (q_ids, 1), (kv_ids, 1))
+    result = ring_lib.ring_attention(
+        q, k, v, axis_name=seq_axis, layout=layout,
+        segment_ids=None if q_ids is None else (q_ids, kv_ids), return_lse=return_lse,
+        batch_axis=batch_axis, head_axis=head_axis, **attention_kwargs)
+    out, lse = result if return_lse else (result, None)
+    out, lse = relayout(layout_lib.from_zigzag, (out, 1), (lse, 2))
+    return (out, lse) if return_lse else out
+
+  in_specs = (qkv_spec,) * 3 + (ids_spec,) * 2
+  args = [_resharded(x, mesh, spec) for x, spec in zip((q, k, v, *ids), in_specs)]
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*args)
+
+
+def _resharded(x, mesh, spec):
+  """`x` as `shard_map` takes it: on a mesh of explicit axes, resharded to `spec`."""
+  if x is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))

@@ -1,0 +1,331 @@
+"""Ring attention: a sequence split over the devices of one mesh axis.
+
+Inside `shard_map`, each of the N devices keeps its queries and passes its
+block of keys and values around the ring (`lax.ppermute` to the next
+device). At step t it attends its queries to the block that started t
+devices back, with `pallas_attn.attention` (one fused kernel, the row
+statistic returned), and folds the partial result into its rows: softmax
+rownorms by log-sum-exp (`out = sum_t exp(lse_t - lse) out_t`), elementwise
+ones by a plain sum. The transfer of the next block is issued before the
+step's kernel and does not depend on it, so XLA's asynchronous collectives
+overlap the two.
+
+score_mod and mask_mod see global positions: each step wraps them so that
+`q_idx` and `kv_idx` are the positions of the local queries and of the
+visiting keys in the whole sequence (distributed/layout.py), and `b` / `h`
+the global batch row and head where the same shard_map also splits those.
+The arrays they close over are read at those global indices (as gathers:
+keep them replicated). Per-position ids that must travel with the keys
+(packed documents) are passed as `segment_ids` instead: the ring passes
+each device's ids along with its keys and values. Steps whose tiles the
+mask all removes (a causal mask's future blocks, a sliding window's blocks
+out of reach) run no kernel (`lax.cond` on the step's block mask).
+
+The backward is a second ring with the same steps: each device keeps dq,
+and a dk/dv accumulator travels with each block of keys, one step behind it
+so that its transfer also overlaps a kernel. Each step runs attention's
+backward kernels for (local queries, visiting keys) with the merged output
+and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
+no forward is recomputed and nothing per step is kept, so memory stays
+that of one device's shard (differentiating through the forward ring
+instead would save every step's keys, values and partial output).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_attn import api
+from pallas_attn.distributed import layout as layout_lib
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.trace import eval_inlined
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The static part of one ring call."""
+  axis_name: object
+  layout: str
+  analysis: VariantAnalysis   # the user's score_mod / mask_mod / rownorm
+  options: dict               # rownorm, scale and attention's tile/lowering options
+  batch_axis: object = None   # mesh axes of the same shard_map splitting batch / heads
+  head_axis: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+  """Where this device sits: ring size and index, b/h offsets or None."""
+  num: int
+  index: jax.Array
+  batch_offset: jax.Array | None
+  head_offset: jax.Array | None
+
+
+def _place(ring: _Ring, q) -> _Place:
+  num = lax.axis_size(ring.axis_name)
+  offsets = [None if axes is None else lax.axis_index(axes) * q.shape[dim]
+             for axes, dim in ((ring.batch_axis, 0), (ring.head_axis, 2))]
+  return _Place(num, lax.axis_index(ring.axis_name), *offsets)
+
+
+def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int, step,
+                    q_ids, kv_ids) -> tuple:
+  """(score_mod, mask_mod) of step `step` on local indices: the user's
+  programs at global b, h and positions, and the segment ids' document mask."""
+  q_pos = layout_lib.position_map(ring.layout, place.index, q_len, place.num)
+  source = (place.index - step) % place.num  # the device this step's keys started on
+  kv_pos = layout_lib.position_map(ring.layout, source, kv_len, place.num)
+
+  def shift(x, offset):
+    return x if offset is None else x + offset
+
+  def indices(b, h, q_idx, kv_idx):
+    return (shift(b, place.batch_offset), shift(h, place.head_offset), q_pos(q_idx),
+            kv_pos(kv_idx))
+
+  score_prog, mask_prog = ring.analysis.score_mod, ring.analysis.mask_mod
+  score_mod = mask_mod = None
+  if score_prog is not None:
+    def score_mod(score, b, h, q_idx, kv_idx):
+      return eval_inlined(score_prog.traced.jaxpr, consts[0], score,
+                          *indices(b, h, q_idx, kv_idx))[0]
+  if mask_prog is not None or q_ids is not None:
+    def mask_mod(b, h, q_idx, kv_idx):
+      keep = None
+      if mask_prog is not None:
+        keep, = eval_inlined(mask_prog.traced.jaxpr, consts[1], *indices(b, h, q_idx, kv_idx))
+      if q_ids is not None:
+        same = q_ids[b, q_idx] == kv_ids[b, kv_idx]
+        keep = same if keep is None else keep & same
+      return keep
+  return score_mod, mask_mod
+
+
+def _step(ring: _Ring, place: _Place, step, q, block, q_ids, consts) -> tuple:
+  """(the call, its captured arrays and block masks, whether any tile is
+  kept) of ring step `step`: the local queries against the visiting `block`
+  (k, v, kv ids)."""
+  k, v, kv_ids = block
+  score_mod, mask_mod = _global_variant(ring, place, consts, q.shape[1], k.shape[1], step,
+                                        q_ids, kv_ids)
+  call, step_consts, block_masks, _, _ = api._prepare(q, k, v, score_mod=score_mod,
+                                                   mask_mod=mask_mod, **ring.options)
+  live = True
+  if block_masks is not None:
+    lists = block_masks[0]
+    live = (jnp.sum(lists.kv_partial_num) + jnp.sum(lists.kv_full_num)) > 0
+  return call, step_consts, block_masks, live
+
+
+def _when(live, compute, skipped):
+  """`compute()` where `live`, else `skipped()`: no kernel for an empty step."""
+  if live is True:
+    return compute()
+  return lax.cond(live, compute, skipped)
+
+
+def _pass_on(ring: _Ring, place: _Place, tree):
+  """Each array of `tree` sent to the next device of the ring."""
+  perm = [(i, (i + 1) % place.num) for i in range(place.num)]
+  leaves, structure = jax.tree.flatten(tree)
+  received = layout_lib.ordered_ppermutes([(x, perm) for x in leaves], ring.axis_name)
+  return jax.tree.unflatten(structure, received)
+
+
+def _merge(kind: str, acc, part):
+  """Folds one step's (output, row statistic) into the running one."""
+  out, lse = acc
+  part_out, part_lse = part
+  part_out = part_out.astype(jnp.float32)
+  if kind == "elementwise":
+    return out + part_out, lse
+  merged = jnp.logaddexp(lse, part_lse)
+  safe = jnp.where(merged == -jnp.inf, 0.0, merged)
+  weight = lambda x: jnp.transpose(jnp.exp(x - safe), (0, 2, 1))[..., None]
+  return out * weight(lse) + part_out * weight(part_lse), merged
+
+
+def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
+  """(output `[B, Sq, Hq, Dv]`, log-sum-exp `[B, Hq, Sq]`) over the ring,
+  merged in float32."""
+  place = _place(ring, q)
+  batch, seq_q, heads, _ = q.shape
+  empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), jnp.float32),
+           jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32))
+  kind = ring.analysis.rownorm.kind
+
+  def attend(step, block, acc):
+    call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
+    part = _when(live, lambda: api._attention(q, *block[:2], step_consts, block_masks, None,
+                                              call=call),
+                 lambda: (empty[0].astype(q.dtype), empty[1]))
+    return _merge(kind, acc, part)
+
+  def body(step, carry):  # the last step's transfer is not needed, but keeps one loop body
+    block, acc = carry
+    return _pass_on(ring, place, block), attend(step, block, acc)
+
+  _, (out, lse) = lax.fori_loop(0, place.num, body, ((k, v, kv_ids), empty))
+  return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
+
+
+def _backward(ring: _Ring, residuals, d_out, d_lse):
+  """(dq, dk, dv) over a second ring: dq stays, a float32 dk/dv accumulator
+  follows each block of keys one step behind it and returns to its device."""
+  q, k, v, q_ids, kv_ids, consts, out, lse = residuals
+  place = _place(ring, q)
+  d_out = d_out.astype(q.dtype)
+
+  def gradients(step, block):
+    call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
+
+    def compute():
+      def recorded(q, k, v):
+        return api._attention(q, k, v, step_consts, block_masks, None, (out, lse), call=call)
+      _, pullback = jax.vjp(recorded, q, *block[:2])
+      return tuple(g.astype(jnp.float32) for g in pullback((d_out, d_lse)))
+    return _when(live, compute, lambda: tuple(jnp.zeros(x.shape, jnp.float32)
+                                              for x in (q, *block[:2])))
+
+  def visit(step, carry):
+    """Step `step`: the accumulator of the block held now arrives from the
+    previous device (zeros at step 0), this device's part is added to it."""
+    block, dq, acc = carry
+    next_block, acc = _pass_on(ring, place, (block, acc))
+    g_q, g_k, g_v = gradients(step, block)
+    return next_block, dq + g_q, (acc[0] + g_k, acc[1] + g_v)
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  _, dq, acc = lax.fori_loop(0, place.num, visit,
+                             ((k, v, kv_ids), zeros(q), (zeros(k), zeros(v))))
+  dk, dv = _pass_on(ring, place, acc)  # to the device the block started on
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _check_captures_not_differentiated(score_consts):
+  for c in score_consts:
+    if c.perturbed and jnp.issubdtype(jnp.result_type(c.value), jnp.floating):
+      raise ValueError(
+          "ring_attention does not differentiate arrays that score_mod closes over (a float "
+          f"array of shape {jnp.shape(c.value)} is being differentiated); wrap it in "
+          "jax.lax.stop_gradient, or use pallas_attn.attention with batch/head sharding")
+
+
+def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
+  """The differentiable ring: (output, log-sum-exp)."""
+  core = jax.custom_vjp(functools.partial(_forward, ring))
+
+  def fwd(q, k, v, q_ids, kv_ids, consts):
+    _check_captures_not_differentiated(consts[0])
+    primals = jax.custom_derivatives.custom_vjp_primal_tree_values(
+        (q, k, v, q_ids, kv_ids, consts))
+    out, lse = _forward(ring, *primals)
+    return (out, lse), (*primals, out, lse)
+
+  def bwd(residuals, cotangents):
+    *_, consts, out, lse = residuals
+    zero = lambda ct, like: (jnp.zeros(like.shape, like.dtype)
+                             if isinstance(ct, jax.custom_derivatives.SymbolicZero) else ct)
+    d_out, d_lse = (zero(ct, like) for ct, like in zip(cotangents, (out, lse)))
+    dq, dk, dv = _backward(ring, residuals, d_out, d_lse)
+    return dq, dk, dv, None, None, jax.tree.map(lambda _: None, consts)
+
+  core.defvjp(fwd, bwd, symbolic_zeros=True)
+  return core(q, k, v, q_ids, kv_ids, consts)
+
+
+def segment_id_pair(segment_ids, batch: int, seq_q: int, seq_kv: int):
+  """(q ids `[B, Sq]`, kv ids `[B, Skv]`) int32 from `segment_ids` (one
+  array for both, or a pair), or (None, None)."""
+  if segment_ids is None:
+    return None, None
+  pair = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+  ids = []
+  for x, length, name in zip(pair, (seq_q, seq_kv), ("query", "key")):
+    x = jnp.asarray(x, jnp.int32)
+    if x.ndim == 1:
+      x = jnp.broadcast_to(x, (batch, x.shape[0]))
+    if x.shape != (batch, length):
+      raise ValueError(f"segment_ids: the {name} ids must be [B, S] = [{batch}, {length}] "
+                       f"(this device's shard) or [S]; got shape {x.shape}")
+    ids.append(x)
+  return tuple(ids)
+
+
+def check_rownorm(analysis: VariantAnalysis, sinks):
+  """Raises for rownorms whose row statistic the ring cannot merge."""
+  rownorm = analysis.rownorm
+  if rownorm.kind == "normalized":
+    raise ValueError(
+        f"ring attention merges softmax rownorms by log-sum-exp and elementwise ones by a sum; "
+        f"rownorm '{rownorm.name}' is normalized (g(s) / h(row statistics)), whose statistic "
+        "cannot be merged from each step's divisor. Use pallas_attn.attention with "
+        "batch/head sharding for it")
+  if rownorm.sink is not None:
+    raise ValueError(
+        f"rownorm '{rownorm.name}' has a sink term; with ring attention pass rownorm="
+        f"'softmax' and sinks=jnp.full((Hq,), {rownorm.sink:g}) instead (the sink is added "
+        "once, after the ring)")
+  if sinks is not None and rownorm.kind != "softmax":
+    raise ValueError(f"sinks add a term to a softmax denominator; rownorm '{rownorm.name}' "
+                     f"is {rownorm.kind}")
+
+
+def _with_sinks(out, lse, sinks, head_offset):
+  """The ring's result with one sink term per head added to each row's
+  softmax denominator (after the merge, so that it counts once)."""
+  heads = out.shape[2]
+  sinks = jnp.asarray(sinks, jnp.float32)
+  if head_offset is not None:
+    sinks = lax.dynamic_slice_in_dim(sinks, head_offset, heads)
+  if sinks.shape != (heads,):
+    raise ValueError(f"sinks must be [Hq] (one logit per query head); got {sinks.shape}")
+  merged = jnp.logaddexp(lse, sinks[None, :, None])
+  safe = jnp.where(merged == -jnp.inf, 0.0, merged)
+  scale = jnp.transpose(jnp.exp(lse - safe), (0, 2, 1))[..., None]
+  return (out.astype(jnp.float32) * scale).astype(out.dtype), merged
+
+
+def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
+                   score_mod=None, mask_mod=None, rownorm="softmax", scale=None, sinks=None,
+                   return_lse=False, batch_axis=None, head_axis=None, config=None,
+                   bwd_config=None, interpret=None, implementation=None):
+  """`pallas_attn.attention` over a sequence split on mesh axis `axis_name`,
+  for use inside `jax.shard_map`.
+
+  q `[B, Sq, Hq, Dqk]`, k `[B, Skv, Hkv, Dqk]`, v `[B, Skv, Hkv, Dv]` are this
+  device's shards of the sequence, laid out by `layout`: "contiguous"
+  (device i holds the i-th block of positions) or "zigzag" (chunks i and
+  2N - 1 - i of 2N; balances causal masks; `context_parallel_attention`
+  permutes into it). score_mod and mask_mod see global positions (and
+  global b / h where `batch_axis` / `head_axis` name the mesh axes the same
+  shard_map splits them over); the arrays they close over are read at
+  those indices. `segment_ids`: this device's `[B, S]` document ids (or a
+  pair (query ids, key ids)), which travel around the ring with the keys;
+  a query keeps only keys of its own document (ANDed with mask_mod).
+  `sinks`: `[Hq]` logits for all (global) query heads. The other arguments
+  are `attention`'s; softmax and elementwise rownorms only. Returns the
+  output, and with `return_lse` the log-sum-exp `[B, Hq, Sq]` (None for
+  elementwise rownorms). Differentiable in q, k, v and sinks.
+  """
+  api._validate(q, k, v)
+  layout_lib.check_layout(layout, q.shape[1], k.shape[1])
+  analysis = analyze_variant(score_mod, mask_mod, rownorm)
+  check_rownorm(analysis, sinks)
+  q_ids, kv_ids = segment_id_pair(segment_ids, q.shape[0], q.shape[1], k.shape[1])
+  options = dict(rownorm=rownorm, scale=scale, config=config, bwd_config=bwd_config,
+                 interpret=interpret, implementation=implementation)
+  ring = _Ring(axis_name, layout, analysis, options, batch_axis, head_axis)
+  consts = tuple(() if prog is None else tuple(prog.traced.consts)
+                 for prog in (analysis.score_mod, analysis.mask_mod))
+  out, lse = _ring(ring, q, k, v, q_ids, kv_ids, consts)
+  if sinks is not None:
+    head_offset = None if head_axis is None else lax.axis_index(head_axis) * q.shape[2]
+    out, lse = _with_sinks(out, lse, sinks, head_offset)
+  if not return_lse:
+    return out
+  return out, (None if analysis.rownorm.kind == "elementwise" else lse)
