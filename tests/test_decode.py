@@ -249,7 +249,9 @@ def test_tuner_covers_the_split_kv_template(tmp_path, monkeypatch):
   result = tuner.tune_attention(*shapes, dtype="float32", template="decode",
                                 max_candidates=2, budget_s=60)
   assert isinstance(result.best, pa.DecodeConfig) and result.best.num_splits >= 1
-  q, k, v = inputs(batch=2, seq=64)
+  q, k, v = inputs(batch=2, seq=64, d_v=16)  # the tuned shapes (d_v keys the cache)
+  assert cache.lookup_config("decode", pa.analyze_variant().fingerprint(), q_shape=q.shape,
+                             k_shape=k.shape, v_shape=v.shape, dtype=q.dtype) == result.best
   assert decode.resolve_config(None, pa.analyze_variant(), q, k.shape, v.shape) == result.best
   with pytest.raises(ValueError, match="1 to 16 query tokens"):
     tuner.tune_attention((2, 32, 4, 16), *shapes[1:], template="decode")
