@@ -206,8 +206,11 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
       out_type=[jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), q.dtype),
                 jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32)],
       scratch_types=scratch,
-      grid=(num_q_blocks, batch, heads),
-      grid_names=("q", "b", "h"),
+      # Heads vary fastest: programs running together share a q block and
+      # differ in head (as JAX's Mosaic kernel orders them). Same-run A/B on
+      # an H200: +9% forward over q-fastest, vanilla and causal, 4k and 16k.
+      grid=(heads, num_q_blocks, batch),
+      grid_names=("h", "q", "b"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=mb.compiler_params(plan.fast_math),

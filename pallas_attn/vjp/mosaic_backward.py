@@ -337,8 +337,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           barriers(consumers), barriers(consumers), barriers(stages), barriers(stages),
           barriers(stages, consumers), barriers(stages, consumers),
       ],
-      grid=(num_q_blocks, batch, heads),
-      grid_names=("q", "b", "h"),
+      grid=(heads, num_q_blocks, batch),  # heads fastest, as the forward's
+      grid_names=("h", "q", "b"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=params,
@@ -361,8 +361,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           barriers(consumers), barriers(consumers), barriers(stages), barriers(stages),
           barriers(stages), barriers(stages, consumers),
       ],
-      grid=(num_kv_blocks, batch, kv_heads),
-      grid_names=("kv", "b", "h"),
+      grid=(kv_heads, num_kv_blocks, batch),  # heads fastest (+2-5% f+b, H200 A/B)
+      grid_names=("h", "kv", "b"),
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=params,
