@@ -27,9 +27,13 @@ def _run_checks(*args, env_update=None, timeout=900):
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
 
 
-def test_distributed_on_four_cpu_devices():
-  """Interpret-mode kernels on 4 CPU devices (XLA_FLAGS before JAX starts)."""
-  _run_checks(env_update={"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+@pytest.mark.parametrize("group", ["sharding", "context parallel", "ring"])
+def test_distributed_on_four_cpu_devices(group):
+  """Interpret-mode kernels on 4 CPU devices (XLA_FLAGS before JAX starts);
+  the checks whose names contain `group`, one subprocess per group so that
+  pytest-xdist spreads them."""
+  _run_checks("--only", group,
+              env_update={"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                           "JAX_PLATFORMS": "cpu"})
 
 
