@@ -21,26 +21,35 @@ from pallas_attn.vjp.parallel_backward import heuristic_backward_config
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _validate(q, k, v):
-  for name, x in (("q", q), ("k", k), ("v", v)):
+def check_qkv(q, k, v, *, k_name: str = "k", v_name: str = "v",
+              kv_layout: str = "[batch, seq, heads, head_dim]"):
+  """The checks every entry point makes of q and a K/V pair: 4-D arrays of
+  one supported dtype, equal q/k head dims, query heads a multiple of kv
+  heads (GQA/MQA)."""
+  for i, (name, x) in enumerate((("q", q), (k_name, k), (v_name, v))):
     if getattr(x, "ndim", None) != 4:
-      raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got shape "
-                       f"{getattr(x, 'shape', None)}")
+      layout = "[batch, seq, heads, head_dim]" if i == 0 else kv_layout
+      raise ValueError(f"{name} must be {layout}; got shape {getattr(x, 'shape', None)}")
     if x.dtype not in SUPPORTED_DTYPES:
       raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
-  if not (q.dtype == k.dtype == v.dtype):
-    raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"q, {k_name}, {v_name} must share a dtype; got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}")
+  if q.shape[3] != k.shape[3]:
+    raise ValueError(f"q and {k_name} head dims differ: q {q.shape}, {k_name} {k.shape}")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
+                     f"({k.shape[2]}) for GQA/MQA")
+
+
+def _validate(q, k, v):
+  check_qkv(q, k, v)
   if not (q.shape[0] == k.shape[0] == v.shape[0]):
     raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
   if k.shape[1] != v.shape[1]:
     raise ValueError(f"k and v sequence lengths differ: k {k.shape}, v {v.shape}")
   if k.shape[2] != v.shape[2]:
     raise ValueError(f"k and v head counts differ: k {k.shape}, v {v.shape}")
-  if q.shape[3] != k.shape[3]:
-    raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-  if q.shape[2] % k.shape[2]:
-    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
-                     f"({k.shape[2]}) for GQA/MQA")
   if min(q.shape[1], k.shape[1]) == 0:
     raise ValueError("sequence lengths must be positive")
 

@@ -97,24 +97,12 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
 
 
 def _validate(q, k, v, kv_lengths, k_name, v_name, paged=False):
-  for name, x in (("q", q), (k_name, k), (v_name, v)):
-    if getattr(x, "ndim", None) != 4:
-      layout = "[num_pages, page_size, Hkv, D]" if paged and x is not q else "[B, S, H, D]"
-      raise ValueError(f"{name} must be {layout}; got shape {getattr(x, 'shape', None)}")
-    if x.dtype not in api.SUPPORTED_DTYPES:
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"q, {k_name}, {v_name} must share a dtype; got {q.dtype}, {k.dtype}, "
-                    f"{v.dtype}")
+  api.check_qkv(q, k, v, k_name=k_name, v_name=v_name,
+                kv_layout="[num_pages, page_size, Hkv, D]" if paged else "[B, S, Hkv, D]")
   if k.shape[:3] != v.shape[:3]:
     raise ValueError(f"{k_name} {k.shape} and {v_name} {v.shape} differ before the head dim")
   if not paged and k.shape[0] != q.shape[0]:
     raise ValueError(f"batch sizes differ: q {q.shape}, {k_name} {k.shape}")
-  if q.shape[3] != k.shape[3]:
-    raise ValueError(f"q and {k_name} head dims differ: q {q.shape}, {k_name} {k.shape}")
-  if q.shape[2] % k.shape[2]:
-    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
-                     f"({k.shape[2]}) for GQA/MQA")
   if not 1 <= q.shape[1] <= MAX_DECODE_QUERIES:
     raise ValueError(f"decoding takes 1 to {MAX_DECODE_QUERIES} query tokens per sequence; "
                      f"got Sq = {q.shape[1]} (use pallas_attn.attention for more)")

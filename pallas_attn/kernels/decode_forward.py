@@ -35,13 +35,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
-from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
+from pallas_attn.kernels.online import LOG2E
+from pallas_attn.kernels.parallel_forward import VariantTiles
 from pallas_attn.schedule.config import DecodeConfig, next_power_of_2
 from pallas_attn.spec.analysis import VariantAnalysis
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(VariantTiles):
   """Static parameters of one split-KV kernel instance."""
   analysis: VariantAnalysis  # reads by head or query index are gathers (tiles.gathered_per_row)
   operands: tuple            # tiles.CaptureOperand per captured array
@@ -71,20 +72,6 @@ class DecodePlan:
   def finalizes(self) -> bool:
     """One split: the kernel writes the output itself, no combine step."""
     return self.config.num_splits == 1
-
-  @property
-  def online(self) -> OnlineRowNorm:
-    return OnlineRowNorm(self.analysis.rownorm, self.fp32_exact, self.fast_math)
-
-  @property
-  def tile(self) -> tiles.TileContext:
-    return tiles.TileContext(self.analysis, self.operands, blocked="q",
-                             fast_math=self.fast_math)
-
-  @property
-  def folds_log2(self) -> bool:
-    """Plain softmax: scores go to the log2 domain with the scale in one multiply."""
-    return self.analysis.score_mod is None and self.online.logits_are_scores()
 
 
 def _columns(width: int, true_width: int):

@@ -28,22 +28,10 @@ from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardPlan:
-  """Static parameters of one forward kernel instance."""
-  analysis: VariantAnalysis
-  operands: tuple       # tiles.CaptureOperand per captured array
-  scale: float
-  seq_q: int            # true lengths (before padding)
-  seq_kv: int
-  block_q: int
-  block_k: int
-  num_kv_blocks: int    # kv blocks holding keys: ceil(seq_kv / block_k)
-  group: int            # query heads per kv head
-  fp32_exact: bool
-  block_sparse: bool    # kv blocks come from a block mask
-  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
-  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
+class VariantTiles:
+  """What a kernel plan with `analysis`, `operands`, `fp32_exact` and
+  `fast_math` fields evaluates per tile: the rownorm's online state and the
+  user's programs (shared by the forward templates' plans)."""
 
   @property
   def online(self) -> OnlineRowNorm:
@@ -58,6 +46,24 @@ class ForwardPlan:
   def folds_log2(self) -> bool:
     """Plain softmax: scores go to the log2 domain with the scale in one multiply."""
     return self.analysis.score_mod is None and self.online.logits_are_scores()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan(VariantTiles):
+  """Static parameters of one forward kernel instance."""
+  analysis: VariantAnalysis
+  operands: tuple       # tiles.CaptureOperand per captured array
+  scale: float
+  seq_q: int            # true lengths (before padding)
+  seq_kv: int
+  block_q: int
+  block_k: int
+  num_kv_blocks: int    # kv blocks holding keys: ceil(seq_kv / block_k)
+  group: int            # query heads per kv head
+  fp32_exact: bool
+  block_sparse: bool    # kv blocks come from a block mask
+  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
+  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
 
   def tile_keep(self, tile: tiles.TileContext, masked: bool, b, h, q_idx, kv_idx, cap_refs,
                 start, size):
