@@ -136,6 +136,13 @@ def _pass_on(ring: _Ring, place: _Place, tree):
   return jax.tree.unflatten(structure, received)
 
 
+def _reweighted(out, lse, merged):
+  """A softmax output `[B, Sq, Hq, Dv]` normalized by `lse` `[B, Hq, Sq]`,
+  renormalized to the larger denominator `merged` (rows empty in both: 0)."""
+  safe = jnp.where(merged == -jnp.inf, 0.0, merged)
+  return out * jnp.transpose(jnp.exp(lse - safe), (0, 2, 1))[..., None]
+
+
 def _merge(kind: str, acc, part):
   """Folds one step's (output, row statistic) into the running one."""
   out, lse = acc
@@ -144,9 +151,7 @@ def _merge(kind: str, acc, part):
   if kind == "elementwise":
     return out + part_out, lse
   merged = jnp.logaddexp(lse, part_lse)
-  safe = jnp.where(merged == -jnp.inf, 0.0, merged)
-  weight = lambda x: jnp.transpose(jnp.exp(x - safe), (0, 2, 1))[..., None]
-  return out * weight(lse) + part_out * weight(part_lse), merged
+  return _reweighted(out, lse, merged) + _reweighted(part_out, part_lse, merged), merged
 
 
 def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
@@ -285,9 +290,7 @@ def _with_sinks(out, lse, sinks, head_offset):
   if sinks.shape != (heads,):
     raise ValueError(f"sinks must be [Hq] (one logit per query head); got {sinks.shape}")
   merged = jnp.logaddexp(lse, sinks[None, :, None])
-  safe = jnp.where(merged == -jnp.inf, 0.0, merged)
-  scale = jnp.transpose(jnp.exp(lse - safe), (0, 2, 1))[..., None]
-  return (out.astype(jnp.float32) * scale).astype(out.dtype), merged
+  return _reweighted(out.astype(jnp.float32), lse, merged).astype(out.dtype), merged
 
 
 def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
