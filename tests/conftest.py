@@ -1,4 +1,6 @@
 """Shared test helpers: run modes, random inputs, error metrics."""
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,17 @@ def exact_matmuls():
   whose reference is a framework's own layer rather than attention_reference."""
   with jax.default_matmul_precision("highest"):
     yield
+
+
+def assert_missing_extra_fails(monkeypatch, framework: str):
+  """Without `framework` installed, `pallas_attn.layers.<framework>` (a lazy
+  import) raises an ImportError that names the extra to install."""
+  import pallas_attn.layers
+  monkeypatch.setitem(sys.modules, framework, None)
+  monkeypatch.delitem(sys.modules, f"pallas_attn.layers.{framework}")
+  monkeypatch.delattr(pallas_attn.layers, framework)
+  with pytest.raises(ImportError, match=rf"\[{framework}\]"):
+    getattr(pallas_attn.layers, framework)
 
 
 def random(shape, dtype=jnp.float32, seed=0):

@@ -1,7 +1,6 @@
 """pallas_attn.layers.equinox against equinox.nn.MultiheadAttention with the
 same weights (interpret mode; compiled on GPU through `default_mode`)."""
 import io
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ eqx = pytest.importorskip("equinox", reason="needs the test extra: pip install '
 optax = pytest.importorskip("optax", reason="needs the test extra: pip install '.[test]'")
 
 import pallas_attn as pa
-from conftest import TOLERANCE, assert_close, random
+from conftest import TOLERANCE, assert_close, assert_missing_extra_fails, random
 from pallas_attn import variants as V
 from pallas_attn.layers import equinox as pa_eqx
 
@@ -201,9 +200,4 @@ def test_bad_input_raises_clearly():
 
 
 def test_missing_equinox_fails_clearly(monkeypatch):
-  import pallas_attn.layers
-  monkeypatch.setitem(sys.modules, "equinox", None)
-  monkeypatch.delitem(sys.modules, "pallas_attn.layers.equinox")
-  monkeypatch.delattr(pallas_attn.layers, "equinox")
-  with pytest.raises(ImportError, match=r"\[equinox\]"):
-    pallas_attn.layers.equinox  # noqa: B018 (the lazy import is the test)
+  assert_missing_extra_fails(monkeypatch, "equinox")

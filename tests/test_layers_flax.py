@@ -1,6 +1,5 @@
 """pallas_attn.layers.flax against Flax's own attention with the same weights
 (interpret mode; compiled on GPU through the `default_mode` fixture)."""
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ pytest.importorskip("flax", reason="needs the test extra: pip install '.[test]'"
 from flax import linen, nnx  # noqa: E402
 
 import pallas_attn as pa
-from conftest import TOLERANCE, assert_close, random
+from conftest import TOLERANCE, assert_close, assert_missing_extra_fails, random
 from pallas_attn import variants as V
 from pallas_attn.layers import flax as pa_flax
 
@@ -237,9 +236,4 @@ def test_vmap_and_jit_of_attention_fn(default_mode):
 
 
 def test_missing_flax_fails_clearly(monkeypatch):
-  monkeypatch.setitem(sys.modules, "flax", None)
-  import pallas_attn.layers
-  monkeypatch.delitem(sys.modules, "pallas_attn.layers.flax")
-  monkeypatch.delattr(pallas_attn.layers, "flax")
-  with pytest.raises(ImportError, match=r"\[flax\]"):
-    pallas_attn.layers.flax  # noqa: B018 (the lazy import is the test)
+  assert_missing_extra_fails(monkeypatch, "flax")
