@@ -173,6 +173,10 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   it. The ring steps of pallas_attn.distributed call it too."""
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
+  if jax.device_count() > 1:
+    # A shard's kernels number heads from 0 (distributed/offsets.py); the
+    # diagonal terms' vectors would need the global head: computed per tile.
+    analysis = analysis.without_terms()
   interpret = backend.resolve_interpret(interpret)
   lowering = lowering_lib.choose(implementation, analysis, q.dtype, q.shape[3], v.shape[3],
                                  interpret, config, bwd_config)

@@ -136,7 +136,82 @@ def test_integer_table_at_a_computed_index_under_jit_and_vmap(interpret):
 
 
 def test_explain_names_the_gather():
-  table = random(TABLES["rel"])
-  text = pa.analyze_variant(score_mod=SCORE_MODS["rel"](table)).describe()
+  table = random(TABLES["swin"])
+  text = pa.analyze_variant(score_mod=SCORE_MODS["swin"](table)).describe()
   assert "<computed>" in text and "gathers" in text
 
+
+# Terms of q_idx - kv_idx only, hoisted out of the kernel (spec/diagonal.py).
+DIAGONAL_MODS = {
+    "rel": SCORE_MODS["rel"],
+    "t5": SCORE_MODS["t5"],
+    # No captured array: a log-distance penalty, per head through h's value.
+    "log_distance": lambda t: lambda s, b, h, qi, ki: s - (0.5 + 0.1 * h) * jnp.log1p(
+        jnp.abs(qi - ki).astype(jnp.float32)),
+    # An offset and a factor on the difference, read past the table's ends (clamped).
+    "scaled": lambda t: lambda s, b, h, qi, ki: s * 0.5 + t[h, 2 * (ki + 3 - qi) + 40],
+    # The read is hoisted; its product with q_idx stays in the kernel.
+    "times_q": lambda t: lambda s, b, h, qi, ki: s + 0.01 * t[h, qi - ki + SKV - 1] * qi,
+}
+
+
+TABLE_OF = {"scaled": "clamped", "times_q": "rel"}
+
+
+@pytest.mark.parametrize("name", list(DIAGONAL_MODS))
+def test_diagonal_terms_are_hoisted(name):
+  table = random(TABLES.get(TABLE_OF.get(name, name), (1,)))
+  prog = pa.analyze_variant(score_mod=DIAGONAL_MODS[name](table)).score_mod
+  assert len(prog.terms) == 1 and prog.uses[0].is_term
+  assert not any(use.is_gather for use in prog.uses)  # the table read went with the term
+  assert prog.without_terms().terms == ()
+  text = pa.analyze_variant(score_mod=DIAGONAL_MODS[name](table)).describe()
+  assert "hoists term#0" in text and "q_idx - kv_idx" in text
+
+
+@pytest.mark.parametrize("score_mod", [
+    lambda s, b, h, qi, ki: s + SLOPES[h] * (ki - qi),           # cheap: stays in the kernel
+    lambda s, b, h, qi, ki: s + TABLE[b, qi - ki + SKV - 1],     # depends on b
+    lambda s, b, h, qi, ki: s + TABLE[h, qi - 2 * ki + 90],      # not a function of q - kv
+], ids=["alibi", "batch", "not_diagonal"])
+def test_other_reads_are_not_hoisted(score_mod):
+  prog = pa.analyze_variant(score_mod=score_mod).score_mod
+  assert prog.terms == () and not any(use.is_term for use in prog.uses)
+
+
+SLOPES, TABLE = random((HEADS,)), random((HEADS, 100))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("name", list(DIAGONAL_MODS))
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
+def test_diagonal_terms_forward_and_gradients(name, masked, interpret):
+  """q, k and v differentiated: forward and backward read the hoisted vector
+  (the table's own gradient, in test_gathered_tables_forward_and_gradients,
+  takes the per-position reads)."""
+  q, k, v = qkv()
+  table = random(TABLES.get(TABLE_OF.get(name, name), (1,)), seed=11)
+  kwargs = dict(score_mod=DIAGONAL_MODS[name](table), mask_mod=CAUSAL if masked else None)
+  out = pa.attention(q, k, v, **kwargs, config=SMALL, interpret=interpret)
+  assert_close(out, pa.attention_reference(q, k, v, **kwargs))
+  check_gradients(q, k, v, interpret=interpret, make_kwargs=lambda c: kwargs)
+
+
+
+@pytest.mark.parametrize("fixed_axis", ["q", "kv"])
+@pytest.mark.parametrize("seq_q,seq_kv", [(128, 320), (320, 128)])
+def test_diagonal_bank_tiles(fixed_axis, seq_q, seq_kv):
+  """Each tile a Mosaic GPU kernel loads from a diagonal bank (rows from
+  `bank_row`, columns from 0) is the term at q - kv of its positions."""
+  from pallas_attn.kernels import tiles
+  operand = tiles.CaptureOperand(("h", tiles.DIAGONAL), False, diagonals=(seq_q, seq_kv))
+  vector = random((2, seq_q + seq_kv - 1))
+  bank, = tiles.diagonal_banks([vector], [operand], fixed_axis, 64)
+  fixed, other = (seq_q, seq_kv) if fixed_axis == "q" else (seq_kv, seq_q)
+  for x0 in range(0, fixed, 64):
+    for y0 in range(0, other, 64):
+      row = operand.bank_row(fixed_axis, x0, y0)
+      tile = bank[:, row:row + 64, :64]
+      x, y = np.arange(x0, x0 + 64)[:, None], np.arange(y0, y0 + 64)[None, :]
+      q_minus_kv = x - y if fixed_axis == "q" else y - x
+      np.testing.assert_array_equal(tile, vector[:, q_minus_kv + seq_kv - 1])

@@ -14,6 +14,7 @@ from conftest import assert_close, qkv, random
 from test_mosaic_forward import B, HKV, HQ, HOPPER, VARIANTS, _variant
 
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
+TRITON_BACKWARD = ("rel_table", "t5", "tile_bias")  # [q, kv] tiles and diagonal terms
 
 
 def _gradients(fn, q, k, v, kw):
@@ -44,7 +45,7 @@ def _lowering(kw, d_qk=128, d_v=128):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "tile_bias"])  # tiles: Triton's
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n not in TRITON_BACKWARD])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 def test_variants_ragged_gqa(name, dtype):
   seq = 333
@@ -53,6 +54,25 @@ def test_variants_ragged_gqa(name, dtype):
   kw = _variant(name, seq, seq)
   chosen = _lowering(kw)
   assert chosen.backward == "mosaic_gpu", chosen.describe()
+  _check(q, k, v, kw)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_q,seq_kv", [(200, 520), (520, 200)])
+@pytest.mark.parametrize("name", ["rel_table", "t5"])
+def test_diagonal_terms_uneven_lengths(name, seq_q, seq_kv):
+  """The Mosaic forward's diagonal bank rows for Sq != Skv; Triton's backward."""
+  q, k, v = qkv(batch=1, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=HKV, d_qk=128,
+                d_v=128, dtype=jnp.bfloat16, seed=seq_q)
+  kw = _variant(name, seq_q, seq_kv)
+  if name == "t5":  # causal aligned at the end, as FlexAttention's
+    kw["mask_mod"] = lambda b, h, qi, ki: qi + (seq_kv - seq_q) >= ki
+  chosen = _lowering(kw)
+  assert (chosen.forward, chosen.backward) == ("mosaic_gpu", "triton"), chosen.describe()
+  out = pa.attention(q, k, v, **kw)
+  ref = pa.attention_reference(*[x.astype(jnp.float32) for x in (q, k, v)], **kw)
+  assert_close(out, ref, jnp.bfloat16)
   _check(q, k, v, kw)
 
 
@@ -107,6 +127,8 @@ def test_differentiated_captures_take_the_triton_passes():
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(d_qk=192), "over 128"),
     (dict(score_mod=lambda s, b, h, qi, ki: s * jnp.sqrt(jnp.abs(s) + 1.0)), "sqrt"),
+    (dict(score_mod=lambda s, b, h, qi, ki: s - jnp.log1p(jnp.abs(qi - ki).astype(jnp.float32))),
+     "q_idx - kv_idx terms"),
 ])
 def test_backward_obstacles_are_named(kwargs, reason, monkeypatch):
   monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)

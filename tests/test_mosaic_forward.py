@@ -9,6 +9,7 @@ from pallas_attn import variants
 from pallas_attn.kernels import lowering, mosaic_backend
 from pallas_attn.spec.analysis import analyze_variant
 from conftest import ON_GPU, assert_close, qkv, random
+from test_computed_index import t5_bucket
 
 HOPPER = ON_GPU and mosaic_backend.unavailable() is None
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
@@ -41,6 +42,13 @@ def _variant(name, seq_q, seq_kv):
   elif name == "row_bias":  # a [B, H, Sq] captured array
     bias = random((B, HQ, seq_q), seed=6)
     kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi])
+  elif name == "rel_table":  # a hoisted diagonal term (a bank of tiles in the kernel)
+    table = random((HQ, seq_q + seq_kv - 1), seed=8)
+    kw = dict(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + seq_kv - 1])
+  elif name == "t5":  # T5's log buckets of q - kv, causal: a hoisted term too
+    table = random((HQ, 8), seed=10)
+    kw = dict(score_mod=lambda s, b, h, qi, ki: s + table[h, t5_bucket(qi - ki)],
+              mask_mod=lambda b, h, qi, ki: qi >= ki)
   elif name == "tile_bias":  # a full [B, H, Sq, Skv] captured array
     bias = random((B, HQ, seq_q, seq_kv), seed=7)
     kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi, ki])
@@ -50,7 +58,7 @@ def _variant(name, seq_q, seq_kv):
 
 
 VARIANTS = ["vanilla", "causal", "softcap", "alibi", "window", "documents", "sigmoid", "sinks",
-            "key_bias", "row_bias", "tile_bias"]
+            "key_bias", "row_bias", "rel_table", "t5", "tile_bias"]
 
 
 @hopper
@@ -149,8 +157,11 @@ def test_mosaic_obstacles_are_named(kwargs, reason, monkeypatch):
 def test_gather_and_triton_config_keep_triton(monkeypatch):
   monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
   table = jnp.zeros((HQ, 63))
-  analysis = analyze_variant(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 31])
+  analysis = analyze_variant(score_mod=lambda s, b, h, qi, ki: s + table[h, (qi * ki) % 63])
   assert "gathers" in lowering.mosaic_obstacle(analysis, jnp.bfloat16, 64, 64, False)
+  # A read at q - kv is a hoisted term, not a gather: Mosaic GPU runs it.
+  analysis = analyze_variant(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + 31])
+  assert lowering.mosaic_obstacle(analysis, jnp.bfloat16, 64, 64, False) is None
   plain = analyze_variant()
   small = pa.AttentionConfig(block_q=16, block_k=16)
   chosen = lowering.choose(None, plain, jnp.bfloat16, 64, 64, False, small)

@@ -5,7 +5,10 @@
   `[B, Skv]` key bias is one row, a `[B, H, Sq, Skv]` bias is a q block by
   the whole kv length that the kernel slices per kv block). A gather's
   operand has its gathered axes flattened into one last axis, passed whole,
-  and read at the tile's computed (clamped) positions.
+  and read at the tile's computed (clamped) positions. A hoisted diagonal
+  term (spec/diagonal.py) is a vector per head over `q - kv`: read by the
+  Triton templates as a gather at `q - kv`, by the Mosaic GPU ones as tiles
+  of a diagonal bank (`diagonal_banks`).
 * `TileContext`: evaluates score_mod and mask_mod on a `[block_q, block_k]`
   tile with the in-kernel interpreter; the backward evaluates score_mod on
   capture values it passes in, so that it can differentiate with respect to
@@ -23,9 +26,10 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.schedule.config import next_power_of_2
-from pallas_attn.spec import blockeval
+from pallas_attn.spec import blockeval, diagonal
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.captures import GATHERED
+from pallas_attn.spec.diagonal import DIAGONAL
 
 
 def _pad_axis(x, axis, length):
@@ -43,10 +47,26 @@ class CaptureOperand:
   axes: tuple      # per operand axis: 'b' | 'h' | 'q' | 'kv' | int | GATHERED (last)
   is_bool: bool
   gather_dims: tuple = ()  # sizes of the array axes flattened into the GATHERED axis
+  diagonals: tuple = ()    # a term's (seq_q_pad, seq_kv_pad): its vector has one per q - kv
 
   @property
   def is_gather(self) -> bool:
     return bool(self.gather_dims)
+
+  @property
+  def is_term(self) -> bool:
+    return bool(self.diagonals)
+
+  def diagonal_index(self, q_idx, kv_idx):
+    """A term vector's position for `q_idx - kv_idx` (tiles broadcast)."""
+    seq_q, seq_kv = self.diagonals
+    return jnp.clip(q_idx - kv_idx + seq_kv - 1, 0, seq_q + seq_kv - 2).astype(jnp.int32)
+
+  def bank_row(self, fixed_axis: str, fixed_start, other_start):
+    """The first row of a `diagonal_bank`'s tile for rows of `fixed_axis`
+    from `fixed_start` and columns of the other axis from `other_start`."""
+    other = self.diagonals[1] if fixed_axis == "q" else self.diagonals[0]
+    return fixed_start - other_start + other
 
   def flat_index(self, indices):
     """Position in the flattened gathered axis of per-axis index tiles,
@@ -71,13 +91,14 @@ def _flatten_gathered(x, axes):
 
 
 def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
-                     consts=None):
+                     consts=None, heads: int = 1):
   """The arrays to pass to a kernel, one per capture use (score_mod's first).
 
   Boolean arrays travel as int32; q- and kv-addressed axes are padded to the
   padded sequence lengths so that reads of padding stay in bounds. `consts`
   (score_mod's, mask_mod's captured arrays) replaces the traced ones, e.g.
-  with the differentiable arguments of a custom_vjp.
+  with the differentiable arguments of a custom_vjp. A term's vector is
+  evaluated here, for `heads` query heads.
   """
   if consts is None:
     consts = tuple(() if prog is None else prog.traced.consts
@@ -87,6 +108,13 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
     if prog is None:
       continue
     for use in prog.uses:
+      if use.is_term:
+        x = diagonal.term_vector(prog.traced.jaxpr, prog_consts, prog.inputs,
+                                 prog.terms[use.term], heads, seq_q_pad, seq_kv_pad)
+        size = x.shape[-1]
+        arrays.append(jnp.pad(x, [(0, 0), (0, next_power_of_2(size) - size)], mode="edge"))
+        operands.append(CaptureOperand(use.axes, False, diagonals=(seq_q_pad, seq_kv_pad)))
+        continue
       x = jnp.asarray(prog_consts[use.capture])
       is_bool = x.dtype == jnp.bool_
       if is_bool:
@@ -120,6 +148,7 @@ def gathered_per_row(analysis: VariantAnalysis) -> VariantAnalysis:
   def convert(prog):
     if prog is None:
       return None
+    prog = prog.without_terms()
     index_var = dict(zip(prog.inputs, prog.traced.jaxpr.invars))
     uses = []
     for use in prog.uses:
@@ -150,7 +179,7 @@ def capture_block_spec(operand: CaptureOperand, shape, *, blocked: str, block: i
   """
   block_shape, picks = [], []
   for a, dim in zip(operand.axes, shape):
-    if a == GATHERED:
+    if a in (GATHERED, DIAGONAL):
       block_shape.append(dim)
       picks.append(0)
     elif a == blocked:
@@ -197,6 +226,26 @@ def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, hea
   return x != 0 if operand.is_bool else x
 
 
+def diagonal_banks(arrays, operands, fixed_axis: str, width: int):
+  """`arrays` with each term's vector `[Hv, Sq_pad + Skv_pad - 1 (padded)]`
+  replaced by its diagonal bank for tiles whose rows run along `fixed_axis`
+  and whose columns are at most `width` positions of the other axis:
+  `[Hv, Sq_pad + Skv_pad, width]` float32, the tile at rows (x0, ...),
+  columns (y0, ...) being the bank's rows from `bank_row(fixed_axis, x0,
+  y0)`, columns from 0. Linear memory, dense tile loads (no gather)."""
+  banked = []
+  for x, operand in zip(arrays, operands):
+    if operand.is_term:
+      seq_q, seq_kv = operand.diagonals
+      sign, other = (1, seq_kv) if fixed_axis == "q" else (-1, seq_q)
+      rows = jnp.arange(seq_q + seq_kv, dtype=jnp.int32)[:, None]
+      cols = jnp.arange(width, dtype=jnp.int32)[None, :]
+      difference = sign * (rows - other - cols)  # q - kv at each bank position
+      x = jnp.take(x, operand.diagonal_index(difference, 0), axis=-1)
+    banked.append(x)
+  return banked
+
+
 def gather_capture(ref, operand: CaptureOperand, flat, head=None):
   """Reads a gather operand at flat positions `flat` (any tile shape);
   `head` picks the head where the ref holds several."""
@@ -231,7 +280,11 @@ class TileContext:
     values, flats = [], []
     for n, use in enumerate(prog.uses):
       ref, operand = refs[offset + n], self.operands[offset + n]
-      if operand.is_gather:
+      if operand.is_term and self.loader is None:
+        position = dict(zip(prog.inputs, inputs))
+        flat = operand.diagonal_index(position["q"], position["kv"])
+        value = gather_capture(ref, operand, flat, head)
+      elif operand.is_gather:
         indices = blockeval.evaluate(jaxpr, env, use.index_vars, prog.skip)
         flat = operand.flat_index(indices)
         value = gather_capture(ref, operand, flat, head)

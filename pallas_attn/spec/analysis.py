@@ -23,6 +23,9 @@ from pallas_attn.spec.trace import (ELEMENTWISE_PRIMITIVES, INDEX_PRIMITIVES,
 _ELEMENTWISE_ALLOWED = ELEMENTWISE_PRIMITIVES | SHAPE_PRIMITIVES | INDEX_PRIMITIVES
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 _SCORE = jax.ShapeDtypeStruct((), jnp.float32)
+_TERM_NOTE = ("a part that depends on the positions only through q_idx - kv_idx, computed "
+              "once per call over the Sq + Skv - 1 diagonals (a vector per head) instead of "
+              "per position; kept per position where an array it reads is differentiated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,12 @@ class VariantAnalysis:
   @property
   def score_uses_score(self) -> bool:
     return self.score_mod is not None and "score" in self.score_mod.deps
+
+  def without_terms(self) -> VariantAnalysis:
+    """The analysis with score_mod's diagonal terms computed in the kernel."""
+    if self.score_mod is None or not self.score_mod.terms:
+      return self
+    return dataclasses.replace(self, score_mod=self.score_mod.without_terms())
 
   @property
   def mask_deps(self) -> frozenset:
@@ -67,6 +76,9 @@ class VariantAnalysis:
       lines.append(f"{label}: {len(prog.traced.jaxpr.eqns)} primitives, "
                    f"depends on {deps}{kind}")
       for use in prog.uses:
+        if use.is_term:
+          lines.append(f"  hoists {use.describe(())}: {_TERM_NOTE}")
+          continue
         shape = np.shape(prog.traced.consts[use.capture])
         if use.is_gather:
           grad = (" (its gradient: one tile sum per distinct index in each tile)"
@@ -106,7 +118,7 @@ def analyze_variant(score_mod=None, mask_mod=None, rownorm="softmax") -> Variant
                    name="score_mod", allowed=_ELEMENTWISE_ALLOWED)
     _check_scalar_output(traced, "f", "score_mod")
     score_prog = captures_lib.analyze_elementwise(
-        traced, ("score", "b", "h", "q", "kv"))
+        traced, ("score", "b", "h", "q", "kv"), hoist=True)
   if mask_mod is not None:
     traced = trace(mask_mod, [_INDEX, _INDEX, _INDEX, _INDEX],
                    name="mask_mod", allowed=_ELEMENTWISE_ALLOWED)

@@ -14,6 +14,10 @@ gather: the expression is evaluated on the tile and the array is read at
 those positions, clamped into its bounds as a `dynamic_slice` clamps. Only
 such reads gather; b, h and constants still select the block the kernel
 sees.
+
+score_mod's subexpressions that depend on the positions only through
+`q_idx - kv_idx` and are costly per position (spec/diagonal.py) are read as
+one more kind of use: a term, evaluated per call over the diagonals.
 """
 from __future__ import annotations
 
@@ -22,11 +26,15 @@ import dataclasses
 import jax
 import numpy as np
 
+from pallas_attn.spec import diagonal
+from pallas_attn.spec.blockeval import needed_equations
+from pallas_attn.spec.diagonal import DIAGONAL
 from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, source_line
 
 INDEX_NAMES = ("b", "h", "q", "kv")
 GATHERED = "gathered"  # an axis read at a computed index
-_DISPLAY = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx", GATHERED: "<computed>"}
+_DISPLAY = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx", GATHERED: "<computed>",
+            DIAGONAL: "q_idx - kv_idx"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +42,17 @@ class CaptureUse:
   """One read of a captured array: `axes[i]` is 'b', 'h', 'q', 'kv', a fixed
   int or GATHERED. A gather (any GATHERED axis) has no 'q'/'kv' axes: they
   are gathered too, and `index_vars` holds the jaxpr var of each GATHERED
-  axis's index, in axis order."""
-  capture: int
+  axis's index, in axis order. A hoisted term (`term`: its index in the
+  program's `terms`; `capture` None) has axes ('h', DIAGONAL) or (0,
+  DIAGONAL)."""
+  capture: int | None
   axes: tuple
   index_vars: tuple = ()
+  term: int | None = None
+
+  @property
+  def is_term(self) -> bool:
+    return self.term is not None
 
   @property
   def is_gather(self) -> bool:
@@ -46,6 +61,8 @@ class CaptureUse:
   def describe(self, shape) -> str:
     idx = ", ".join(_DISPLAY.get(a, str(a)) if isinstance(a, str) else str(a)
                     for a in self.axes)
+    if self.is_term:
+      return f"term#{self.term}[{idx}]"
     return f"capture#{self.capture}{list(shape)}[{idx}]"
 
 
@@ -57,6 +74,9 @@ class ElementwiseProgram:
   loads: (var, use index) pairs: values read from captured arrays.
   skip: eqn indices replaced by those loads (the indexing chain).
   deps: which inputs the result depends on, through data or addressing.
+  terms: the hoisted diagonal terms (spec/diagonal.py) that term uses read;
+  unhoisted: the same program without them, where they cannot be hoisted
+  (a differentiated array they read, sharded heads, decoding).
   """
   traced: TracedFn
   inputs: tuple
@@ -64,6 +84,19 @@ class ElementwiseProgram:
   loads: tuple
   skip: frozenset
   deps: frozenset
+  terms: tuple = ()
+  unhoisted: ElementwiseProgram | None = None
+
+  def without_terms(self) -> ElementwiseProgram:
+    return self if self.unhoisted is None else self.unhoisted
+
+  def kernel_equations(self) -> list:
+    """Indices of the equations a kernel runs (hoisted terms and capture
+    reads excluded; gather index expressions included)."""
+    jaxpr = self.traced.jaxpr
+    outputs = list(jaxpr.outvars) + [v for use in self.uses for v in use.index_vars]
+    known = {var for var, _ in self.loads}
+    return [n for n in needed_equations(jaxpr, outputs, known) if n not in self.skip]
 
   @property
   def name(self) -> str:
@@ -105,8 +138,10 @@ def _resolved_use(view: _View) -> CaptureUse:
                     tuple(s for a, s in zip(axes, view.starts) if a == GATHERED))
 
 
-def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
-  """Resolves capture reads and dependencies of an elementwise callable."""
+def analyze_elementwise(traced: TracedFn, inputs: tuple,
+                        hoist: bool = False) -> ElementwiseProgram:
+  """Resolves capture reads and dependencies of an elementwise callable;
+  with `hoist`, also its diagonal terms (see `_hoisted`)."""
   jaxpr = traced.jaxpr
   tags = {}    # var -> ('idx'|'neg'|'wrap', name) | _View
   deps = {}    # var -> frozenset of input names
@@ -227,5 +262,39 @@ def analyze_elementwise(traced: TracedFn, inputs: tuple) -> ElementwiseProgram:
     for v in eqn.outvars:
       deps[v] = merged
   out_deps = frozenset().union(*[dep(v) for v in jaxpr.outvars])
-  return ElementwiseProgram(traced=traced, inputs=tuple(inputs), uses=tuple(uses),
-                            loads=tuple(loads), skip=frozenset(skip), deps=out_deps)
+  program = ElementwiseProgram(traced=traced, inputs=tuple(inputs), uses=tuple(uses),
+                               loads=tuple(loads), skip=frozenset(skip), deps=out_deps)
+  return _hoisted(program) if hoist else program
+
+
+def _hoisted(program: ElementwiseProgram) -> ElementwiseProgram:
+  """`program` reading its diagonal terms as term uses (first), keeping the
+  capture uses the kernel still needs, in their order; itself if it has no
+  terms."""
+  jaxpr = program.traced.jaxpr
+  terms = diagonal.find_terms(jaxpr, program.inputs)
+  if not terms:
+    return program
+  term_uses = [CaptureUse(None, ("h" if t.per_head else 0, DIAGONAL), term=n)
+               for n, t in enumerate(terms)]
+  known = {var for var, _ in program.loads} | {t.var for t in terms}
+  loaded_by = {}
+  for var, use_index in program.loads:
+    loaded_by.setdefault(use_index, []).append(var)
+  # The reads still needed: by the output, or by the index of a needed gather.
+  outputs, kept = list(jaxpr.outvars), set()
+  while True:
+    live = set(outputs)
+    for n in needed_equations(jaxpr, outputs, known):
+      live.update(v for v in jaxpr.eqns[n].invars if not is_literal(v))
+    now = {u for u, vars_ in loaded_by.items() if live & set(vars_)}
+    if now == kept:
+      break
+    kept = now
+    outputs = list(jaxpr.outvars) + [v for u in kept for v in program.uses[u].index_vars]
+  order = sorted(kept)
+  uses = tuple(term_uses) + tuple(program.uses[u] for u in order)
+  renumber = {u: len(terms) + n for n, u in enumerate(order)}
+  loads = tuple((t.var, n) for n, t in enumerate(terms)) + tuple(
+      (var, renumber[u]) for var, u in program.loads if u in renumber)
+  return dataclasses.replace(program, uses=uses, loads=loads, terms=terms, unhoisted=program)

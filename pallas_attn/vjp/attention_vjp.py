@@ -70,7 +70,8 @@ def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse
 
 
 def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
-  capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts)
+  capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts,
+                                                    heads=q.shape[2])
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
   lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
@@ -184,12 +185,16 @@ def _core_bwd(spec, res: _Residuals, cotangents):
 
 
 def _backward(spec, res: _Residuals, d_out, d_stat):
+  if _differentiates_a_term(spec.analysis, res.differentiated):
+    # The gradient of an array a term reads flows through the kernel's reads.
+    spec = dataclasses.replace(spec, analysis=spec.analysis.without_terms())
   analysis = spec.analysis
   capture_arrays, operands = tiles.capture_operands(
-      analysis, res.q.shape[1], res.k.shape[1], res.consts)
+      analysis, res.q.shape[1], res.k.shape[1], res.consts, heads=res.q.shape[2])
   score_uses = () if analysis.score_mod is None else analysis.score_mod.uses
   grad_kinds = tuple(parallel_backward.gradient_kind(use.axes)
-                     if res.differentiated[use.capture] else None for use in score_uses)
+                     if not use.is_term and res.differentiated[use.capture] else None
+                     for use in score_uses)
   cfg, block_mask, template = spec.bwd_config, res.block_mask, parallel_backward
   if spec.backward_lowering == lowering.MOSAIC_GPU:
     if any(kind is not None for kind in grad_kinds):
@@ -232,6 +237,11 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
                       for g, c in zip(grads, score_consts))
   return (dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None,
           None if res.sinks is None else _sink_gradient(res.sinks, res.stat, delta, spec.seq_q))
+
+
+def _differentiates_a_term(analysis, differentiated) -> bool:
+  terms = () if analysis.score_mod is None else analysis.score_mod.terms
+  return any(differentiated[c] for term in terms for c in term.captures)
 
 
 def _sink_gradient(sinks, lse, delta, seq_q: int):
