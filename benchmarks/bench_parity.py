@@ -60,6 +60,7 @@ from bench_backward import step  # noqa: E402
 from bench_forward import environment, inputs, time_fn  # noqa: E402
 from bench_masks import _ratio, _tf, causal, density  # noqa: E402
 from kernel_time import kernel_time_ms  # noqa: E402
+from pallas_attn.kernels import lowering as lowering_lib  # noqa: E402
 from pallas_attn.schedule.timing import attention_flops, median_time_ms  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
@@ -350,6 +351,7 @@ def main(argv=None):
   row_params = params(heads, seq)
   block_mask = pa.block_mask(causal, batch, heads, seq, seq)  # built once, as Flex's
   fns = {n: ours_fns(attention_fn(n, seq, block_mask=block_mask)) for n in BASES}
+  results["lowerings"] = {n: lowering_of(n, seq, row_params[n], q) for n in BASES}
   dens = density(causal, seq)
   for row in args.rows:
     results["rows"][row] = {
@@ -396,6 +398,18 @@ def main(argv=None):
   results["ratios"] = ratios(results["rows"])
   save()
   print_table(results)
+
+
+def lowering_of(name, seq, param, q):
+  """Which lowering runs the row's passes and why (as `pallas-attn explain`
+  says), or the error."""
+  mods = score_mods(seq)
+  try:
+    analysis = pa.analyze_variant(mods[name](param) if name in mods else None, causal)
+    return lowering_lib.choose(None, analysis, q.dtype, q.shape[-1], q.shape[-1],
+                               interpret=False).describe()
+  except Exception as e:
+    return describe(e)
 
 
 def agreement(flex_call, ours_call):
@@ -490,6 +504,8 @@ def print_table(results):
       print(f"  {name:<16} {worst:.1e} {'ok' if c['ok'] else 'WRONG'}  "
             + " ".join(f"{n} {e:.0e}" for n, e in c["rel_err"].items()))
   print(f"  t5 buckets jnp vs torch: {results['t5_bucket_check']}")
+  for name, text in results.get("lowerings", {}).items():
+    print(f"  {name:<16} {text[:150]}")
   rows = results["rows"]
   print(f"B{shape['batch']} H{shape['heads']} S{shape['seq']} d{shape['d']} bf16 causal TFLOP/s "
         "(unmasked pairs); ours/flex = flex time / ours time")
