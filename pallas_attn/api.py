@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.kernels import lowering as lowering_lib
@@ -173,7 +174,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   it. The ring steps of pallas_attn.distributed call it too."""
   _validate(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  if jax.device_count() > 1:
+  if partitioning.may_shard():
     # A shard's kernels number heads from 0 (distributed/offsets.py); the
     # diagonal terms' vectors would need the global head: computed per tile.
     analysis = analysis.without_terms()

@@ -21,7 +21,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_attn.spec import blockeval
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.captures import CaptureUse, ElementwiseProgram
 
@@ -35,11 +34,7 @@ def uses_index_value(prog: ElementwiseProgram | None, name: str) -> bool:
     return False
   jaxpr = prog.traced.jaxpr
   index_var = jaxpr.invars[prog.inputs.index(name)]
-  known = {var for var, _ in prog.loads}
-  outputs = list(jaxpr.outvars) + [v for use in prog.uses for v in use.index_vars]
-  return any(index_var in jaxpr.eqns[n].invars
-             for n in blockeval.needed_equations(jaxpr, outputs, known)
-             if n not in prog.skip)
+  return any(index_var in jaxpr.eqns[n].invars for n in prog.kernel_equations())
 
 
 def _shifted(prog: ElementwiseProgram, offsets: dict) -> tuple:

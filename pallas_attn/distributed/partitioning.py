@@ -225,6 +225,12 @@ def _shard_mapped(fn, leaves, tree, dim_leaves, out_dims, mesh):
       axis_names=set(axes[0] + axes[1]), check_vma=False)(*leaves)
 
 
+def may_shard() -> bool:
+  """Whether `partitioned` can run its function on shards (more than one
+  device), where a kernel numbers batch and heads from 0."""
+  return jax.device_count() > 1
+
+
 def partitioned(fn, args, arg_dims, out_dims, *, group: int):
   """`fn(shard, *args)` run per shard of the batch/head sharding of q
   (`args[0]`; k and v are `args[1:3]`).
@@ -232,7 +238,7 @@ def partitioned(fn, args, arg_dims, out_dims, *, group: int):
   `arg_dims` / `out_dims` mirror `args` and `fn`'s outputs with a `Dims`
   per array. `group`: query heads per kv head.
   """
-  if jax.device_count() == 1:
+  if not may_shard():
     return fn(UNSHARDED, *args)
   leaves, tree = jax.tree.flatten(args)
   dim_leaves = tree.flatten_up_to(arg_dims)

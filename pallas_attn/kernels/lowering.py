@@ -18,7 +18,6 @@ from pallas_attn.kernels import mosaic_backend
 from pallas_attn.kernels.online import OnlineRowNorm
 from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import AttentionConfig
-from pallas_attn.spec import blockeval
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.captures import ElementwiseProgram
 
@@ -117,10 +116,8 @@ def _traced_derivative_obstacle(analysis: VariantAnalysis) -> str | None:
 
   def weights(s):
     if prog is not None:  # as the kernel evaluates it: captured values (and terms) loaded
-      jaxpr = prog.traced.jaxpr
-      env = {var: jnp.zeros(var.aval.shape, var.aval.dtype) for var, _ in prog.loads}
-      env.update(zip(jaxpr.invars, (s, 0, 0, 0, 0)))
-      s, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, prog.skip)
+      loaded = {use: jnp.zeros(var.aval.shape, var.aval.dtype) for var, use in prog.loads}
+      s = prog.evaluate((s, 0, 0, 0, 0), loaded)
     return online.weights(s)
 
   def gradient(s):

@@ -300,12 +300,7 @@ class TileContext:
     return tuple(values), tuple(flats)
 
   def _evaluate(self, prog, inputs, captures):
-    jaxpr = prog.traced.jaxpr
-    env = {var: captures[use_index] for var, use_index in prog.loads}
-    env.update(zip(jaxpr.invars, inputs))
-    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, prog.skip,
-                              backend.fast_math_overrides(self.fast_math))
-    return out
+    return prog.evaluate(inputs, captures, backend.fast_math_overrides(self.fast_math))
 
   def score_captures(self, s, b, h, q_idx, kv_idx, refs, start, size) -> tuple:
     """(score_mod's captured values on the tile, one per use; each gather's

@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from pallas_attn.spec import diagonal
+from pallas_attn.spec import blockeval, diagonal
 from pallas_attn.spec.blockeval import needed_equations
 from pallas_attn.spec.diagonal import DIAGONAL
 from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, source_line
@@ -89,6 +89,15 @@ class ElementwiseProgram:
 
   def without_terms(self) -> ElementwiseProgram:
     return self if self.unhoisted is None else self.unhoisted
+
+  def evaluate(self, inputs, captures, overrides=None):
+    """The program's output on (tile) values: `inputs` in `self.inputs`
+    order, `captures[u]` the value of use u (as the kernels load it)."""
+    jaxpr = self.traced.jaxpr
+    env = {var: captures[use_index] for var, use_index in self.loads}
+    env.update(zip(jaxpr.invars, inputs))
+    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, self.skip, overrides)
+    return out
 
   def kernel_equations(self) -> list:
     """Indices of the equations a kernel runs (hoisted terms and capture
