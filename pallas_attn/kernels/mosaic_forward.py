@@ -200,7 +200,6 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   if consumers == 2:
     scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))
   sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
-  capture_arrays = tiles.diagonal_banks(capture_arrays, plan.operands, "q", plan.block_k)
   kernel = mb.kernel(
       functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,
                         num_q_blocks=num_q_blocks, shared_qo=shared_qo),

@@ -96,7 +96,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan):
   qi = tiles.program_block()
   b, h = pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
-  online, tile = plan.online, plan.tile
+  online = plan.online
+  tile = dataclasses.replace(plan.tile, block=(qi * bq, bq))
   q = q_ref[...]
   q_idx = tiles.tile_indices(qi * bq, bq, axis=0)
   # Without score_mod or a logit pre-map, fold scale and log2(e) into one multiply.

@@ -6,9 +6,9 @@
   the whole kv length that the kernel slices per kv block). A gather's
   operand has its gathered axes flattened into one last axis, passed whole,
   and read at the tile's computed (clamped) positions. A hoisted diagonal
-  term (spec/diagonal.py) is a vector per head over `q - kv`: read by the
-  Triton templates as a gather at `q - kv`, by the Mosaic GPU ones as tiles
-  of a diagonal bank (`diagonal_banks`).
+  term (spec/diagonal.py) is evaluated once per call as a vector per head
+  over `q - kv` and laid out as a diagonal bank (`diagonal_bank`), from
+  which every lowering loads its `[q, kv]` tiles densely (no gather).
 * `TileContext`: evaluates score_mod and mask_mod on a `[block_q, block_k]`
   tile with the in-kernel interpreter; the backward evaluates score_mod on
   capture values it passes in, so that it can differentiate with respect to
@@ -44,10 +44,12 @@ def _pad_axis(x, axis, length):
 @dataclasses.dataclass(frozen=True)
 class CaptureOperand:
   """One captured-array read as a kernel operand."""
-  axes: tuple      # per operand axis: 'b' | 'h' | 'q' | 'kv' | int | GATHERED (last)
+  # per operand axis: 'b' | 'h' | 'q' | 'kv' | int | GATHERED (last); a
+  # term's bank: ('h' | 0, DIAGONAL, DIAGONAL), its rows and columns
+  axes: tuple
   is_bool: bool
   gather_dims: tuple = ()  # sizes of the array axes flattened into the GATHERED axis
-  diagonals: tuple = ()    # a term's (seq_q_pad, seq_kv_pad): its vector has one per q - kv
+  diagonals: tuple = ()    # a term's (seq_q_pad, seq_kv_pad)
 
   @property
   def is_gather(self) -> bool:
@@ -57,16 +59,10 @@ class CaptureOperand:
   def is_term(self) -> bool:
     return bool(self.diagonals)
 
-  def diagonal_index(self, q_idx, kv_idx):
-    """A term vector's position for `q_idx - kv_idx` (tiles broadcast)."""
-    seq_q, seq_kv = self.diagonals
-    return jnp.clip(q_idx - kv_idx + seq_kv - 1, 0, seq_q + seq_kv - 2).astype(jnp.int32)
-
-  def bank_row(self, fixed_axis: str, fixed_start, other_start):
-    """The first row of a `diagonal_bank`'s tile for rows of `fixed_axis`
-    from `fixed_start` and columns of the other axis from `other_start`."""
-    other = self.diagonals[1] if fixed_axis == "q" else self.diagonals[0]
-    return fixed_start - other_start + other
+  def bank_row(self, q_start, kv_start):
+    """The first row of the bank's tile at queries from `q_start` and keys
+    from `kv_start` (its columns start at 0)."""
+    return q_start - kv_start + self.diagonals[1]
 
   def flat_index(self, indices):
     """Position in the flattened gathered axis of per-axis index tiles,
@@ -91,14 +87,15 @@ def _flatten_gathered(x, axes):
 
 
 def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
-                     consts=None, heads: int = 1):
+                     consts=None, heads: int = 1, bank_width: int | None = None):
   """The arrays to pass to a kernel, one per capture use (score_mod's first).
 
   Boolean arrays travel as int32; q- and kv-addressed axes are padded to the
   padded sequence lengths so that reads of padding stay in bounds. `consts`
   (score_mod's, mask_mod's captured arrays) replaces the traced ones, e.g.
-  with the differentiable arguments of a custom_vjp. A term's vector is
-  evaluated here, for `heads` query heads.
+  with the differentiable arguments of a custom_vjp. A term is evaluated
+  here, for `heads` query heads, as its bank for tiles of at most
+  `bank_width` keys (the kernel's block_k).
   """
   if consts is None:
     consts = tuple(() if prog is None else prog.traced.consts
@@ -109,11 +106,13 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
       continue
     for use in prog.uses:
       if use.is_term:
-        x = diagonal.term_vector(prog.traced.jaxpr, prog_consts, prog.inputs,
-                                 prog.terms[use.term], heads, seq_q_pad, seq_kv_pad)
-        size = x.shape[-1]
-        arrays.append(jnp.pad(x, [(0, 0), (0, next_power_of_2(size) - size)], mode="edge"))
-        operands.append(CaptureOperand(use.axes, False, diagonals=(seq_q_pad, seq_kv_pad)))
+        if bank_width is None:
+          raise ValueError("capture_operands: score_mod has hoisted terms; pass bank_width")
+        vector = diagonal.term_vector(prog.traced.jaxpr, prog_consts, prog.inputs,
+                                      prog.terms[use.term], heads, seq_q_pad, seq_kv_pad)
+        arrays.append(diagonal_bank(vector, seq_q_pad, seq_kv_pad, bank_width))
+        operands.append(CaptureOperand(use.axes + (DIAGONAL,), False,
+                                       diagonals=(seq_q_pad, seq_kv_pad)))
         continue
       x = jnp.asarray(prog_consts[use.capture])
       is_bool = x.dtype == jnp.bool_
@@ -226,24 +225,17 @@ def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, hea
   return x != 0 if operand.is_bool else x
 
 
-def diagonal_banks(arrays, operands, fixed_axis: str, width: int):
-  """`arrays` with each term's vector `[Hv, Sq_pad + Skv_pad - 1 (padded)]`
-  replaced by its diagonal bank for tiles whose rows run along `fixed_axis`
-  and whose columns are at most `width` positions of the other axis:
-  `[Hv, Sq_pad + Skv_pad, width]` float32, the tile at rows (x0, ...),
-  columns (y0, ...) being the bank's rows from `bank_row(fixed_axis, x0,
-  y0)`, columns from 0. Linear memory, dense tile loads (no gather)."""
-  banked = []
-  for x, operand in zip(arrays, operands):
-    if operand.is_term:
-      seq_q, seq_kv = operand.diagonals
-      sign, other = (1, seq_kv) if fixed_axis == "q" else (-1, seq_q)
-      rows = jnp.arange(seq_q + seq_kv, dtype=jnp.int32)[:, None]
-      cols = jnp.arange(width, dtype=jnp.int32)[None, :]
-      difference = sign * (rows - other - cols)  # q - kv at each bank position
-      x = jnp.take(x, operand.diagonal_index(difference, 0), axis=-1)
-    banked.append(x)
-  return banked
+def diagonal_bank(vector, seq_q: int, seq_kv: int, width: int):
+  """A term's vector `[Hv, seq_q + seq_kv - 1]` (index `q - kv + seq_kv -
+  1`) laid out as `[Hv, seq_q + seq_kv, width]` so that the term on the
+  `[q, kv]` tile at queries from q0 and at most `width` keys from kv0 is
+  the bank's rows from `q0 - kv0 + seq_kv` (`CaptureOperand.bank_row`),
+  columns from 0: row r, column c holds q - kv = r - c - seq_kv. Linear
+  memory; dense tile loads instead of a gather per position."""
+  rows = jnp.arange(seq_q + seq_kv, dtype=jnp.int32)[:, None]
+  cols = jnp.arange(width, dtype=jnp.int32)[None, :]
+  index = jnp.clip(rows - cols - 1, 0, seq_q + seq_kv - 2)  # (q - kv) + seq_kv - 1
+  return jnp.take(vector, index, axis=-1)
 
 
 def gather_capture(ref, operand: CaptureOperand, flat, head=None):
@@ -261,6 +253,9 @@ class TileContext:
   blocked: str     # which sequence axis the grid blocks ('q' or 'kv')
   head_block: int = 1  # query heads per program (see capture_block_spec)
   fast_math: bool = False  # approximate transcendentals (backend.fast_math_overrides)
+  # Triton: (start, size) of the program's block of the `blocked` axis, for
+  # terms' bank tiles (set per program with `dataclasses.replace`).
+  block: tuple = ()
   # Reads a non-gather capture as a tile: `(ref, operand, start, size) ->
   # value`, the other sequence axis read at `pl.ds(start, size)`. None: the
   # Triton templates' blocked refs (`load_capture`).
@@ -281,9 +276,7 @@ class TileContext:
     for n, use in enumerate(prog.uses):
       ref, operand = refs[offset + n], self.operands[offset + n]
       if operand.is_term and self.loader is None:
-        position = dict(zip(prog.inputs, inputs))
-        flat = operand.diagonal_index(position["q"], position["kv"])
-        value = gather_capture(ref, operand, flat, head)
+        flat, value = None, self._bank_tile(ref, operand, head, start, size)
       elif operand.is_gather:
         indices = blockeval.evaluate(jaxpr, env, use.index_vars, prog.skip)
         flat = operand.flat_index(indices)
@@ -298,6 +291,18 @@ class TileContext:
       values.append(value)
       flats.append(flat)
     return tuple(values), tuple(flats)
+
+  def _bank_tile(self, ref, operand, head, start, size):
+    """A term's `[block_q, block_k]` tile from its bank (the Triton
+    templates' tiles are `[q, kv]` on either grid)."""
+    block_start, block_size = self.block
+    if self.blocked == "q":
+      q_start, rows, kv_start, cols = block_start, block_size, start, size
+    else:
+      q_start, rows, kv_start, cols = start, size, block_start, block_size
+    index = (pl.ds(operand.bank_row(q_start, kv_start), rows),
+             slice(None) if cols == ref.shape[-1] else pl.ds(0, cols))
+    return ref[index if head is None or operand.axes[0] != "h" else (head, *index)]
 
   def _evaluate(self, prog, inputs, captures):
     return prog.evaluate(inputs, captures, backend.fast_math_overrides(self.fast_math))

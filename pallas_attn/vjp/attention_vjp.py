@@ -71,7 +71,8 @@ def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse
 
 def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
   capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts,
-                                                    heads=q.shape[2])
+                                                    heads=q.shape[2],
+                                                    bank_width=spec.config.block_k)
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
   lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
@@ -189,8 +190,6 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
     # The gradient of an array a term reads flows through the kernel's reads.
     spec = dataclasses.replace(spec, analysis=spec.analysis.without_terms())
   analysis = spec.analysis
-  capture_arrays, operands = tiles.capture_operands(
-      analysis, res.q.shape[1], res.k.shape[1], res.consts, heads=res.q.shape[2])
   score_uses = () if analysis.score_mod is None else analysis.score_mod.uses
   grad_kinds = tuple(parallel_backward.gradient_kind(use.axes)
                      if not use.is_term and res.differentiated[use.capture] else None
@@ -207,6 +206,9 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
     else:
       from pallas_attn.vjp import mosaic_backward
       template = mosaic_backward
+  capture_arrays, operands = tiles.capture_operands(
+      analysis, res.q.shape[1], res.k.shape[1], res.consts, heads=res.q.shape[2],
+      bank_width=cfg.block_k)
   plan = parallel_backward.BackwardPlan(
       **_plan_fields(spec, cfg, operands, block_mask is not None, res.sinks is not None),
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)

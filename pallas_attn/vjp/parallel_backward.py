@@ -258,7 +258,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   qi = tiles.program_block()
   b, h = pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
-  tile = plan.tile
+  tile = dataclasses.replace(plan.tile, block=(qi * bq, bq))
   q, do = q_ref[...], do_ref[...]
   rows = tuple(rows_ref[t, :][:, None] for t in range(plan.num_row_terms))
   q_idx = tiles.tile_indices(qi * bq, bq, axis=0)
@@ -306,9 +306,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan):
   dk_ref, dv_ref, *key_grad_refs = out_refs
   ki, b, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bq, bk = plan.block_q, plan.block_k
-  tile = plan.kv_tile
   k, v = k_ref[...], v_ref[...]
   kv_start = ki * bk
+  tile = dataclasses.replace(plan.kv_tile, block=(kv_start, bk))
   kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
   score_scale = plan.score_scale
   # Padded query rows have dO = 0; outside plain softmax their scores could
