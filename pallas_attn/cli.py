@@ -168,6 +168,17 @@ def cmd_bench(args) -> int:
   return 0
 
 
+def _describe_banks(analysis, shape: ProblemShape, config) -> str:
+  """The memory of the hoisted terms' diagonal banks in one pass (sequence
+  lengths padded to this pass's blocks; the call pads to both passes')."""
+  from pallas_attn.kernels import tiles
+  pad = lambda n, block: -(-n // block) * block
+  size = tiles.bank_bytes(analysis, shape.heads_q, pad(shape.seq_q, config.block_q),
+                          pad(shape.seq_kv, config.block_k), config.block_k)
+  return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
+          f"([heads, Sq + Skv, {config.block_k}] per term; linear in S)")
+
+
 def cmd_explain(args) -> int:
   from pallas_attn.schedule.device import device_config
   from pallas_attn.spec.analysis import analyze_variant
@@ -193,6 +204,8 @@ def cmd_explain(args) -> int:
   for template in args.templates or _running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)
     print(f"{template}: {format_config(config)}  [{source}]")
+    if template != "decode" and analysis.score_mod is not None and analysis.score_mod.terms:
+      print("  " + _describe_banks(analysis, shape, config))
     reason = prune_reason(template, config, shape, device)
     if reason:
       print(f"  warning: the resource model rejects it: {reason}")

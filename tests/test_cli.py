@@ -1,5 +1,6 @@
 """The pallas-attn command line, on tiny shapes in interpret mode."""
 import json
+import re
 import sys
 import types
 
@@ -74,6 +75,21 @@ def test_explain_shows_the_configs_of_the_passes_that_run(capsys, monkeypatch):
 def test_explain_verbose_lists_pruned_configs(capsys, variant_file):
   code, out, _ = run(capsys, "explain", variant_file, *TINY, "--verbose")
   assert code == 0 and "pruned block_q=64" in out and "> padded seq_q 32" in out
+
+
+def test_explain_says_what_the_diagonal_banks_cost(capsys, tmp_path):
+  rel = tmp_path / "rel.py"
+  rel.write_text("import jax.numpy as jnp\ntable = jnp.zeros((16, 8191))\n"
+                 "def score_mod(s, b, h, q_idx, kv_idx):\n"
+                 "  return s + table[h, q_idx - kv_idx + 4095]\n")
+  code, out, _ = run(capsys, "explain", str(rel), "--heads", "16", "--seq-q", "4000",
+                     "--templates", "forward")
+  line, = [line for line in out.splitlines() if "diagonal banks" in line]
+  config = re.search(r"forward: block_q=(\d+) block_k=(\d+)", out)
+  block_q, block_k = int(config[1]), int(config[2])
+  pad = lambda n, block: -(-n // block) * block
+  expected = 16 * (pad(4000, block_q) + pad(4000, block_k)) * block_k * 4
+  assert code == 0 and f"{expected / 2**20:.0f} MiB" in line and f", {block_k}] per term" in line
 
 
 def test_explain_says_what_the_block_mask_costs(capsys, tmp_path, variant_file):

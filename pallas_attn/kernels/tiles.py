@@ -225,6 +225,13 @@ def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, hea
   return x != 0 if operand.is_bool else x
 
 
+def bank_bytes(analysis: VariantAnalysis, heads: int, seq_q_pad: int, seq_kv_pad: int,
+               width: int) -> int:
+  """Bytes of the diagonal banks `capture_operands` builds for one pass."""
+  terms = () if analysis.score_mod is None else analysis.score_mod.terms
+  return sum((heads if t.per_head else 1) * (seq_q_pad + seq_kv_pad) * width * 4 for t in terms)
+
+
 def diagonal_bank(vector, seq_q: int, seq_kv: int, width: int):
   """A term's vector `[Hv, seq_q + seq_kv - 1]` (index `q - kv + seq_kv -
   1`) laid out as `[Hv, seq_q + seq_kv, width]` so that the term on the
