@@ -13,7 +13,7 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.schedule import cache as tuning_cache
-from pallas_attn.schedule.config import AttentionConfig, heuristic_config, next_power_of_2
+from pallas_attn.schedule.config import AttentionConfig, heuristic_config, round_up
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import is_concrete
 from pallas_attn.vjp import attention_vjp
@@ -53,10 +53,6 @@ def _validate(q, k, v):
     raise ValueError(f"k and v head counts differ: k {k.shape}, v {v.shape}")
   if min(q.shape[1], k.shape[1]) == 0:
     raise ValueError("sequence lengths must be positive")
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
 
 
 def _pad_to(x, axis, length):
@@ -330,8 +326,8 @@ def _attention(q, k, v, consts, block_masks, sinks, recorded=None, *, call: _Cal
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
   cfg, bwd_cfg = call.config, call.bwd_config
-  seq_q_pad = _round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
-  seq_kv_pad = _round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
+  seq_q_pad = round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
+  seq_kv_pad = round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
   d_qk_pad, d_v_pad = (lowering_lib.padded_head_dim(d, call.forward_lowering,
                                                      call.backward_lowering)
                        for d in (d_qk, d_v))

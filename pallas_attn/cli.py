@@ -172,9 +172,9 @@ def _describe_banks(analysis, shape: ProblemShape, config) -> str:
   """The memory of the hoisted terms' diagonal banks in one pass (sequence
   lengths padded to this pass's blocks; the call pads to both passes')."""
   from pallas_attn.kernels import tiles
-  pad = lambda n, block: -(-n // block) * block
-  size = tiles.bank_bytes(analysis, shape.heads_q, pad(shape.seq_q, config.block_q),
-                          pad(shape.seq_kv, config.block_k), config.block_k)
+  from pallas_attn.schedule.config import round_up
+  size = tiles.bank_bytes(analysis, shape.heads_q, round_up(shape.seq_q, config.block_q),
+                          round_up(shape.seq_kv, config.block_k), config.block_k)
   return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
           f"([heads, Sq + Skv, {config.block_k}] per term; linear in S)")
 

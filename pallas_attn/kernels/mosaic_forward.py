@@ -28,7 +28,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import mosaic_backend as mb
-from pallas_attn.kernels import tiles
 from pallas_attn.kernels.online import LOG2E
 from pallas_attn.kernels.parallel_forward import ForwardPlan
 from pallas_attn.schedule.config import AttentionConfig

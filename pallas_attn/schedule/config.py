@@ -28,6 +28,11 @@ def next_power_of_2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def round_up(n: int, multiple: int) -> int:
+  """`n` padded to a multiple of `multiple` (a sequence to whole blocks)."""
+  return -(-n // multiple) * multiple
+
+
 def clamp_block(block: int, length: int, minimum: int = 16) -> int:
   """Shrinks a block to the (power-of-two padded) length for short sequences."""
   return max(minimum, min(block, next_power_of_2(length)))
