@@ -31,7 +31,7 @@ from pallas_attn.kernels import backend, tiles
 from pallas_attn.schedule.config import clamp_block
 from pallas_attn.spec import blockeval
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
-from pallas_attn.spec.trace import is_concrete, is_literal
+from pallas_attn.spec.trace import eval_inlined, is_concrete, is_literal
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _NO_QUERIES = -1  # a q block past the sequence end, while re-tiling: neither keeps nor masks
@@ -121,7 +121,9 @@ _UNDECIDED = 3  # `classify_tiles(..., exact=False)`: a tile the bounds leave op
 # modelled, then nothing is known), each boolean as (`must`: true at every
 # position, `may`: true at some) (`_Bool`), anything else (floats, bitwise
 # integer ops, gathers) as unknown. The rules are sound, so a decision is
-# exact; a tile they leave open is evaluated position by position as before.
+# exact. Bounds show a tile may be kept, never that it is partial: a tile
+# whose corners mask_mod keeps and drops is (`_corners_disagree`). A tile
+# left open after both is evaluated position by position as before.
 # The bounds of all tiles are computed at once, as arrays (`bound_classes`:
 # a few fused XLA kernels), not tile by tile in the classify kernel: there
 # each tile's chain of a load, block reductions and scalar rules ran one
@@ -452,10 +454,30 @@ def bound_classes(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, block_
     return None
   must, may = bound
   # must: every real position kept (full; partial where the tile has
-  # padding keys); else not may: none kept; else left open.
+  # padding keys); else not may: none kept; else a tile whose corners
+  # disagree is partial; else left open.
   padded = _flag(inputs[3].hi - inputs[3].lo + 1 < block_k)
-  classes = jnp.where(must == 1, 2 - padded, jnp.where(may == 0, EMPTY, _UNDECIDED))
+  open_ = jnp.where(_corners_disagree(prog, inputs, extents), PARTIAL, _UNDECIDED)
+  classes = jnp.where(must == 1, 2 - padded, jnp.where(may == 0, EMPTY, open_))
   return jnp.broadcast_to(classes.astype(jnp.int32), extents)
+
+
+def _corners_disagree(prog, inputs, extents):
+  """`[Bm, Hm, nq, nk]` bool: mask_mod keeps one corner of the tile (its
+  first and last real query and key) and drops another, so the tile is
+  partial. Bounds cannot show that (only that a tile may be kept); the
+  corners decide the tiles that a causal diagonal, a window's edge or a
+  document boundary crosses, which would otherwise be evaluated position by
+  position in the classify kernel."""
+  b, h = (jnp.broadcast_to(r.lo, extents) for r in inputs[:2])
+  q, kv = (jnp.broadcast_to(jnp.stack([r.lo, r.hi]), (2,) + extents) for r in inputs[2:])
+  keep = jax.vmap(lambda *point: eval_inlined(prog.traced.jaxpr, prog.traced.consts,
+                                              *point)[0])
+  corners = [keep(b.ravel(), h.ravel(), q[i].ravel(), kv[j].ravel()).reshape(extents)
+             for i in (0, 1) for j in (0, 1)]
+  kept = functools.reduce(jnp.logical_or, corners)
+  dropped = functools.reduce(jnp.logical_or, [~c for c in corners])
+  return kept & dropped
 
 
 def live_kv_blocks(analysis: VariantAnalysis, consts, lengths, first_query, seq_q: int,
