@@ -27,6 +27,8 @@ def _variant(name, seq_q, seq_kv):
     kw = variants.softcap(30.0).kwargs()
   elif name == "alibi":
     kw = variants.alibi(num_heads=HQ).kwargs()
+  elif name == "alibi_sigmoid":  # a separable bias under an elementwise rownorm
+    kw = (variants.sigmoid(seq_kv=seq_kv) + variants.alibi(num_heads=HQ)).kwargs()
   elif name == "window":
     kw = variants.sliding_window(96).kwargs()
   elif name == "documents":
@@ -57,7 +59,7 @@ def _variant(name, seq_q, seq_kv):
   return kw
 
 
-VARIANTS = ["vanilla", "causal", "softcap", "alibi", "window", "documents", "sigmoid", "sinks",
+VARIANTS = ["vanilla", "causal", "softcap", "alibi", "alibi_sigmoid", "window", "documents", "sigmoid", "sinks",
             "key_bias", "row_bias", "rel_table", "t5", "tile_bias"]
 
 

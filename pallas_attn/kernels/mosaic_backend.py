@@ -10,6 +10,7 @@ counterpart is kernels/backend.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -102,6 +103,39 @@ ROWS = RowLayout(keepdims=False, place_rows=as_rows, place_tile=as_tile)
 def tile_indices(start, shape, axis: int):
   """Absolute positions along `axis` of a `[rows, cols]` tile, as a full tile."""
   return start + plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
+def axis_positions(start, size: int, axis: int):
+  """Positions `start + [0, size)` along a tile axis, as a vector in the
+  accumulator's row (axis 0) or column (axis 1) layout."""
+  layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+  return start + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+
+def _separable_at(tile, b, h, refs, fixed_axis: str, fixed, other):
+  q, kv = (fixed, other) if fixed_axis == "q" else (other, fixed)
+  return tile.separable_part(b, h, q, kv, refs)
+
+
+def separable_rows(tile, b, h, refs, fixed_axis: str, start, rows: int):
+  """A separable score_mod's bias along a program's own `rows` positions of
+  `fixed_axis` from `start`: `E(row, 0) - E(start, 0)` (spec/separable.py),
+  a `[rows]` vector computed once per program (and head)."""
+  zero = jnp.int32(0)
+  at = functools.partial(_separable_at, tile, b, h, refs, fixed_axis)
+  return at(axis_positions(start, rows, 0), zero) - at(start, zero)
+
+
+def with_separable_bias(tile, b, h, refs, fixed_axis: str, start, row_part, other_start,
+                        cols: int):
+  """`tile` with its `bias` set on the `[rows, cols]` tile whose columns are
+  `cols` positions of the other axis from `other_start`: `row_part` plus
+  `E(start, column)`, two vectors broadcast, so each score costs two adds."""
+  columns = _separable_at(tile, b, h, refs, fixed_axis, start,
+                          axis_positions(other_start, cols, 1))
+  shape = (row_part.shape[0], cols)
+  bias = lax.broadcast_in_dim(row_part, shape, (0,)) + lax.broadcast_in_dim(columns, shape, (1,))
+  return dataclasses.replace(tile, bias=bias)
 
 
 def capture_loader(b, h, fixed_axis: str, start, rows: int):

@@ -11,7 +11,8 @@ one's softmax overlaps the other's matrix products.
 What is variant-specific comes from the same places as the Triton
 template's: score_mod and mask_mod run on `[64, block_k]` accumulator-layout
 tiles through tiles.TileContext (indices as full iota tiles, captured arrays
-read from device memory by mosaic_backend.capture_loader), and the row
+read from device memory by mosaic_backend.capture_loader; a separable bias
+from a row vector and a column vector, spec/separable.py), and the row
 state is online.OnlineRowNorm with Mosaic's row layout. Producer and
 consumers visit the same kv blocks in the same order: the full ones of the
 q block's list unmasked, then the partial ones masked (or, without a block
@@ -95,6 +96,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     fold = plan.folds_log2 and plan.scale > 0
     qk_scale = plan.scale * LOG2E if fold else plan.scale
     q_idx = mb.tile_indices(q_start, (rows, bk), 0)
+    separable = plan.analysis.separable_bias
+    if separable:  # the bias's part along the rows, once (spec/separable.py)
+      bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
     sink2 = None if sink_ref is None else sink_ref[h]
     state = online.init(rows, v_ref.shape[-1], sink2)
     mb.plgpu.barrier_wait(q_ready.at[wg])
@@ -123,7 +127,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
         w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
                                             logit_scale=qk_scale)
       else:
-        s = tile.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
+                                         bk) if separable else tile)
+        s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
         w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx,
                                             log2_logits=s if fold else None)
       acc = online.rescale(state[0], acc_factor)

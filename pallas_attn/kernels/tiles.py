@@ -267,6 +267,11 @@ class TileContext:
   # value`, the other sequence axis read at `pl.ds(start, size)`. None: the
   # Triton templates' blocked refs (`load_capture`).
   loader: Callable | None = None
+  # A separable score_mod's bias on this tile (`score - s`, spec/separable.py),
+  # set per tile by a lowering that builds it from vectors of
+  # `separable_part`: `score_with` then adds it instead of evaluating the
+  # program at every position.
+  bias: object = None
 
   def _load_uses(self, prog, refs, offset, inputs, start, size):
     """(one loaded tile per use of `prog`, refs from `offset` on; the flat
@@ -322,12 +327,24 @@ class TileContext:
       return (), ()
     return self._load_uses(prog, refs, 0, (s, b, h, q_idx, kv_idx), start, size)
 
+  def separable_part(self, b, h, q, kv, refs):
+    """A separable score_mod's bias `E(q, kv)` (its output at score 0) on
+    position values of any broadcastable shapes (vectors, scalars): its
+    captured arrays are read by b, h and constants only."""
+    prog = self.analysis.score_mod
+    inputs = (jnp.float32(0), b, h, q, kv)
+    captures, _ = self._load_uses(prog, refs, 0, inputs, None, None)
+    return self._evaluate(prog, inputs, captures)
+
   def score_with(self, s, b, h, q_idx, kv_idx, captures):
     """score_mod on the tile with the given captured values (a function of
-    `s` and `captures` that the backward differentiates)."""
+    `s` and `captures` that the backward differentiates; with `bias` set,
+    of `s` only)."""
     prog = self.analysis.score_mod
     if prog is None:
       return s
+    if self.bias is not None:
+      return s + self.bias
     out = self._evaluate(prog, (s, b, h, q_idx, kv_idx), captures)
     return jnp.broadcast_to(out.astype(jnp.float32), s.shape)
 

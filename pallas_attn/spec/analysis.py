@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_attn.spec import captures as captures_lib
+from pallas_attn.spec import separable
+from pallas_attn.spec.captures import GATHERED
 from pallas_attn.spec.rownorm import RowNorm, analyze_rownorm
 from pallas_attn.spec.trace import (ELEMENTWISE_PRIMITIVES, INDEX_PRIMITIVES,
                                     SHAPE_PRIMITIVES, VariantError, trace)
@@ -43,6 +45,11 @@ class VariantAnalysis:
     if self.score_mod is None or not self.score_mod.terms:
       return self
     return dataclasses.replace(self, score_mod=self.score_mod.without_terms())
+
+  @property
+  def separable_bias(self) -> bool:
+    """score_mod is `score + R(b, h, q_idx) + C(b, h, kv_idx)` (spec/separable.py)."""
+    return self.score_mod is not None and self.score_mod.separable
 
   @property
   def mask_deps(self) -> frozenset:
@@ -75,6 +82,9 @@ class VariantAnalysis:
         kind = " (uses the score)" if self.score_uses_score else " (index-only bias)"
       lines.append(f"{label}: {len(prog.traced.jaxpr.eqns)} primitives, "
                    f"depends on {deps}{kind}")
+      if label == "score_mod" and self.separable_bias:
+        lines.append("  separable bias score + R(q_idx) + C(kv_idx): the Mosaic GPU kernels "
+                     "build it from a row vector and a column vector per tile")
       for use in prog.uses:
         if use.is_term:
           lines.append(f"  hoists {use.describe(())}: {_TERM_NOTE}")
@@ -119,6 +129,10 @@ def analyze_variant(score_mod=None, mask_mod=None, rownorm="softmax") -> Variant
     _check_scalar_output(traced, "f", "score_mod")
     score_prog = captures_lib.analyze_elementwise(
         traced, ("score", "b", "h", "q", "kv"), hoist=True)
+    scalar_reads = all(not {"q", "kv", GATHERED} & set(use.axes) for use in score_prog.uses)
+    if (scalar_reads and not score_prog.terms and {"q", "kv"} & score_prog.deps
+        and separable.is_separable(traced.jaxpr, score_prog.inputs)):
+      score_prog = dataclasses.replace(score_prog, separable=True)
   if mask_mod is not None:
     traced = trace(mask_mod, [_INDEX, _INDEX, _INDEX, _INDEX],
                    name="mask_mod", allowed=_ELEMENTWISE_ALLOWED)

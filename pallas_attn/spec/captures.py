@@ -77,6 +77,8 @@ class ElementwiseProgram:
   terms: the hoisted diagonal terms (spec/diagonal.py) that term uses read;
   unhoisted: the same program without them, where they cannot be hoisted
   (a differentiated array they read, sharded heads, decoding).
+  separable: score_mod is `score + R(b, h, q_idx) + C(b, h, kv_idx)` reading
+  captured arrays by b, h and constants only (spec/separable.py).
   """
   traced: TracedFn
   inputs: tuple
@@ -86,6 +88,7 @@ class ElementwiseProgram:
   deps: frozenset
   terms: tuple = ()
   unhoisted: ElementwiseProgram | None = None
+  separable: bool = False
 
   def without_terms(self) -> ElementwiseProgram:
     return self if self.unhoisted is None else self.unhoisted

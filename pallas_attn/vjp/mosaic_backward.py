@@ -124,6 +124,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
     tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
     q_idx = mb.tile_indices(q_start, (SUB, step_keys), 0)
+    if plan.analysis.separable_bias:
+      bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, SUB)
     q_rows = pl.ds(q_start, SUB)
     if row_refs:
       lse2_ref, out_ref, *d_stat_ref = row_refs
@@ -160,8 +162,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
         kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
         keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
         row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
-        _, ds = _gradients(plan, tile, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx), cap_refs,
-                           (kv_start, step_keys))
+        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
+                                         step_keys) if plan.analysis.separable_bias else tile)
+        _, ds = _gradients(plan, scorer, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx),
+                           cap_refs, (kv_start, step_keys))
 
         def dq_update(acc_ref):
           mb.plgpu.wgmma(acc_ref, ds.astype(dtype), k_slot)
@@ -242,6 +246,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
     def head(h, acc, step):
       tile = dataclasses.replace(plan.kv_tile,
                                  loader=mb.capture_loader(b, h, "kv", kv_start, SUB))
+      if plan.analysis.separable_bias:
+        bias_rows = mb.separable_rows(tile, b, h, cap_refs, "kv", kv_start, SUB)
 
       def visit(step, q_block, masked: bool, acc):
         dk, dv = acc
@@ -267,7 +273,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
           if mask_rows:
             valid = q_idx < plan.seq_q
             keep = valid if keep is None else jnp.logical_and(keep, valid)
-          w, ds = _gradients(plan, tile, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
+          scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "kv", kv_start, bias_rows,
+                                           q_start, SUB) if plan.analysis.separable_bias else tile)
+          w, ds = _gradients(plan, scorer, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
                              (q_start, SUB))
 
           def updates(refs):
