@@ -70,7 +70,7 @@ def _pad_to(x, axis, length):
 _CONFIG_SOURCES = {
     "forward": ("config", heuristic_config),
     "forward_mosaic": ("config", lambda *dims, block_sparse, itemsize:
-                       lowering_lib.heuristic_mosaic_config(*dims)),
+                       lowering_lib.heuristic_mosaic_config(*dims, block_sparse=block_sparse)),
     "backward": ("bwd_config",
                  lambda *dims, block_sparse, itemsize: heuristic_backward_config(*dims)),
     "backward_mosaic": ("bwd_config", lambda *dims, block_sparse, itemsize:

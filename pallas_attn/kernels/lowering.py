@@ -188,13 +188,19 @@ def padded_head_dim(d: int, *lowerings: str) -> int:
   return max(64, triton) if MOSAIC_GPU in lowerings else triton
 
 
-def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
+def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
+                            block_sparse: bool = False) -> AttentionConfig:
   """Mosaic GPU forward tiles: two consumer warpgroups of 64 rows (block_q
   128; 64 for a single short q block), 128 keys per step up to heads of
-  128 and 64 beyond (shared memory), a two-slot K/V ring. num_warps counts
-  the producer's warpgroup too."""
+  128 and 64 beyond (shared memory), a two-slot K/V ring. Heads of at most
+  64 without a mask take 256 keys per step: fewer, longer steps for the same
+  small K/V tiles (H200 sweep, sweep_mosaic_forward_2026-11-23_h200_d64.json:
+  vanilla 420 -> 471 TFLOP/s; causal 395 -> 375, so masked variants keep
+  128). num_warps counts the producer's warpgroup too."""
   block_q = 64 if seq_q <= 64 else 128
   block_k = 128 if max(d_qk, d_v) <= 128 and seq_kv > 64 else 64
+  if max(d_qk, d_v) <= 64 and seq_kv >= 256 and not block_sparse:
+    block_k = 256
   return AttentionConfig(block_q=block_q, block_k=block_k,
                          num_warps=4 * (block_q // mosaic_backend.WG_ROWS + 1), num_stages=2)
 

@@ -144,9 +144,11 @@ def default_config(template: str, shape: ProblemShape, *, block_sparse: bool = F
     return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
   if template in MOSAIC_TEMPLATES:
     from pallas_attn.kernels import lowering
-    heuristic = (lowering.heuristic_mosaic_config if template == "forward_mosaic"
-                 else lowering.heuristic_mosaic_backward_config)
-    return heuristic(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
+    if template == "forward_mosaic":
+      return lowering.heuristic_mosaic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
+                                              block_sparse=block_sparse)
+    return lowering.heuristic_mosaic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk,
+                                                     shape.d_v)
   # The linear templates' heuristic, on the padded widths they run with.
   from pallas_attn.kernels.linear.chunked_forward import heuristic_linear_config
   return heuristic_linear_config(shape.seq_kv, padded_head_dim(shape.d_qk),
