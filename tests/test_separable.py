@@ -9,6 +9,7 @@ import pytest
 import pallas_attn as pa
 from pallas_attn import variants
 from pallas_attn.kernels import tiles
+from pallas_attn.spec import separable
 
 H = 4
 SLOPES = variants.alibi_slopes(H)
@@ -71,3 +72,16 @@ def test_separable_bias_from_vectors(name):
 @pytest.mark.parametrize("name", list(NOT_SEPARABLE))
 def test_other_score_mods_are_not_separable(name):
   assert not pa.analyze_variant(score_mod=NOT_SEPARABLE[name]).separable_bias
+
+
+@pytest.mark.parametrize("score_mod,expected", [
+    (lambda s, b, h, q, kv: s + (kv - q).astype(jnp.float32) / 3.0, True),
+    (lambda s, b, h, q, kv: s + jax.lax.div(kv - q, 3).astype(jnp.float32), False),
+    (lambda s, b, h, q, kv: s + ((kv - q) * 3).astype(jnp.float32), True),
+], ids=["float_division", "integer_division", "integer_product"])
+def test_structural_rules(score_mod, expected):
+  """The rules themselves (the analysis hoists divisions as diagonal terms before them):
+  integer division truncates, so it does not distribute over a sum."""
+  index = jnp.int32(0)
+  jaxpr = jax.make_jaxpr(score_mod)(jnp.float32(0), index, index, index, index).jaxpr
+  assert separable.is_separable(jaxpr, ("score", "b", "h", "q", "kv")) == expected

@@ -66,8 +66,9 @@ def _form(eqn, forms):
     return None if forms[0] == SCORE_PLUS else forms[0]
   if prim == "mul" and SCORE_PLUS not in forms and CONST in forms:
     return _combine(forms)
-  if prim == "div" and SCORE_PLUS not in forms and forms[1] == CONST:
-    return forms[0]
+  floating = np.issubdtype(eqn.outvars[0].aval.dtype, np.floating)
+  if prim == "div" and floating and SCORE_PLUS not in forms and forms[1] == CONST:
+    return forms[0]  # integer division truncates: (a + b) / c is not a / c + b / c
   return None
 
 
