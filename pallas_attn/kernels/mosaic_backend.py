@@ -227,13 +227,14 @@ def products(pairs, shape):
   return pl.run_scoped(issue, *(acc,) * len(pairs))
 
 
-def fold_visits(visits, body, carry, step=0):
-  """Folds `body(step, block, masked, carry)` over the unmasked visits, then
-  the masked ones, `step` counting visits from `step`. Returns (carry, the
-  step after the last). Producer and consumers fold the same visits, so
-  their steps (ring slots) agree."""
+def fold_visits(visits, body, carry, step=0, skip=0):
+  """Folds `body(step, block, masked, carry)` over the unmasked visits from
+  the `skip`-th, then the masked ones, `step` counting visits from `step`.
+  Returns (carry, the step after the last). Producer and consumers fold the
+  same visits, so their steps (ring slots) agree."""
   (full_num, full_at), (partial_num, partial_at) = visits
-  carry = lax.fori_loop(0, full_num, lambda j, c: body(step + j, full_at(j), False, c), carry)
+  carry = lax.fori_loop(skip, full_num, lambda j, c: body(step + j, full_at(j), False, c),
+                        carry)
   step = step + full_num
   carry = lax.fori_loop(0, partial_num, lambda j, c: body(step + j, partial_at(j), True, c),
                         carry)

@@ -5,8 +5,11 @@ batch and query head folding kv tiles into the online row state), laid out
 the way FlashAttention-3 uses a Hopper SM: one producer warpgroup streams
 K/V tiles by TMA into a ring of `num_stages` shared-memory slots, and
 `block_q / 64` consumer warpgroups of 64 query rows each run QK^T and PV
-with `wgmma`. With two consumers a shared barrier ping-pongs them, so that
-one's softmax overlaps the other's matrix products.
+with `wgmma`. On unmasked tiles a consumer issues tile j's QK^T and tile
+j-1's PV together and weighs tile j while the PV runs (_overlapped_loop),
+the two consumers taking turns to issue (_turns); masked tiles go one step
+at a time, the consumers ping-ponging on a shared barrier so that one's
+softmax overlaps the other's matrix products (fold_block).
 
 What is variant-specific comes from the same places as the Triton
 template's: score_mod and mask_mod run on `[64, block_k]` accumulator-layout
@@ -57,6 +60,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
   out_ref, lse_ref, q_smem, *rest = rest
   o_smem = q_smem if shared_qo else rest.pop(0)
   lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
+  schedule, turn = (schedule or (None, None))
   dtype = q_ref.dtype
   bk, rows = plan.block_k, mb.WG_ROWS
   qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
@@ -66,9 +70,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
   num_visits = visits[0][0] + visits[1][0]
 
   def schedule_barrier():
-    if schedule:
-      mb.plgpu.barrier_arrive(schedule[0])
-      mb.plgpu.barrier_wait(schedule[0])
+    if schedule is not None:
+      mb.plgpu.barrier_arrive(schedule)
+      mb.plgpu.barrier_wait(schedule)
 
   @pl.when(wg == consumers)
   def _producer():
@@ -95,24 +99,34 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
     fold = plan.folds_log2 and plan.scale > 0
     qk_scale = plan.scale * LOG2E if fold else plan.scale
-    q_idx = mb.tile_indices(q_start, (rows, bk), 0)
     separable = plan.analysis.separable_bias
     if separable:  # the bias's part along the rows, once (spec/separable.py)
       bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
     sink2 = None if sink_ref is None else sink_ref[h]
-    state = online.init(rows, v_ref.shape[-1], sink2)
+    row_state = tuple(online.init(rows, v_ref.shape[-1], sink2)[1:])
     mb.plgpu.barrier_wait(q_ready.at[wg])
 
-    @pl.when(num_visits > 0)
-    def _():
-      mb.plgpu.barrier_wait(k_ready.at[0])
-
-    if schedule:
-      pl.when(wg == 1)(schedule_barrier)
+    def weigh(s, kv_block, masked: bool, row_state):
+      """One tile's scores -> (weights in the input dtype, the accumulator's
+      per-row factor or None, the new row state)."""
+      kv_start = kv_block * bk
+      # Index tiles are built per step, not held across the loop (64 registers each).
+      q_idx = mb.tile_indices(q_start, (rows, bk), 0)
+      kv_idx = mb.tile_indices(kv_start, (rows, bk), 1)
+      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+      state = (None,) + row_state  # the accumulator stays in its wgmma registers
+      if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
+        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
+                                            logit_scale=qk_scale)
+      else:
+        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
+                                         bk) if separable else tile)
+        s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+        w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx)
+      return w.astype(dtype), acc_factor, state[1:]
 
     def fold_block(step, kv_block, masked: bool, state):
       slot = lax.rem(step, stages)
-      kv_start = kv_block * bk
 
       def qk(acc_ref):
         mb.plgpu.wgmma(acc_ref, q_tile, mb.plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -121,25 +135,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
 
       s = pl.run_scoped(qk, mb.plgpu.ACC((rows, bk), jnp.float32))
       mb.plgpu.barrier_arrive(k_free.at[slot])
-      kv_idx = mb.tile_indices(kv_start, (rows, bk), 1)
-      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-      if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
-        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
-                                            logit_scale=qk_scale)
-      else:
-        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
-                                         bk) if separable else tile)
-        s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-        w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx,
-                                            log2_logits=s if fold else None)
+      w, acc_factor, row_state = weigh(s, kv_block, masked, tuple(state[1:]))
       acc = online.rescale(state[0], acc_factor)
-      w = w.astype(dtype)
-      row_state = tuple(state[1:])
-      if schedule:
-        mb.plgpu.barrier_arrive(schedule[0])
+      if schedule is not None:
+        mb.plgpu.barrier_arrive(schedule)
       mb.plgpu.barrier_wait(v_ready.at[slot])
-      if schedule:
-        mb.plgpu.barrier_wait(schedule[0])
+      if schedule is not None:
+        mb.plgpu.barrier_wait(schedule)
 
       def pv(acc_ref):
         mb.plgpu.wgmma(acc_ref, w, v_smem.at[slot])
@@ -153,8 +155,30 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       mb.plgpu.barrier_arrive(v_free.at[slot])
       return (acc,) + row_state
 
-    state, _ = mb.fold_visits(visits, fold_block, state)
-    if schedule:
+    # The unmasked visits overlap each tile's softmax with the previous
+    # tile's PV (_overlapped_loop); masked tiles, which need more registers,
+    # and 256-key tiles (two score tiles overflow the registers: d 64 ran
+    # 462 -> 338 TFLOP/s on an H200) take one step at a time (fold_block).
+    full_num, full_at = visits[0]
+    if bk <= 128 and not (isinstance(full_num, int) and full_num == 0):
+      acc, row_state = _overlapped_loop(
+          full_num, full_at, weigh, online.rescale, row_state, q_tile=q_tile, k_smem=k_smem,
+          v_smem=v_smem, barriers=(k_ready, v_ready, k_free, v_free), stages=stages, block_k=bk,
+          d_v=v_ref.shape[-1], turns=_turns(turn, wg), may_be_empty=plan.block_sparse)
+      skip = full_num
+    else:
+      acc, skip = online.rows.zeros_tile(rows, v_ref.shape[-1]), 0
+    # fold_block's consumers pass a shared barrier twice per step, the second
+    # one phase behind: one's softmax runs while the other's products do.
+    if schedule is not None:
+      pl.when(wg == 1)(schedule_barrier)
+
+    @pl.when(num_visits > skip)
+    def _():
+      mb.plgpu.barrier_wait(k_ready.at[lax.rem(skip, stages)])
+
+    state, _ = mb.fold_visits(visits, fold_block, (acc,) + row_state, skip=skip)
+    if schedule is not None:
       pl.when(wg == 0)(schedule_barrier)
     out, lse = online.finalize(state)
     o_tile[...] = out.astype(dtype)
@@ -163,6 +187,84 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     mb.plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, pl.ds(q_start, rows), h])
     mb.plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, pl.ds(q_start, rows)])
     mb.plgpu.wait_smem_to_gmem(0)
+
+
+def _turns(turn, wg):
+  """(wait for my turn, hand the turn over) of two consumers issuing their
+  matrix products in alternation, as FlashAttention-3 orders its warpgroups:
+  consumer `wg` waits on `turn[wg]` and arrives on the other's; the second
+  consumer gives the first its first turn. Softmaxes are not ordered, unlike
+  fold_block's shared barrier (same-run A/B on an H200, vanilla 16k forward:
+  654 without the overlap, 658 with it on the shared barrier, 697 here).
+  No-ops with one consumer."""
+  if turn is None:
+    return (lambda: None), (lambda: None)
+  pl.when(wg == 1)(functools.partial(mb.plgpu.barrier_arrive, turn.at[0]))
+  return (functools.partial(mb.plgpu.barrier_wait, turn.at[wg]),
+          functools.partial(mb.plgpu.barrier_arrive, turn.at[1 - wg]))
+
+
+def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_smem, v_smem,
+                     barriers, stages: int, block_k: int, d_v: int, turns, may_be_empty: bool):
+  """A consumer's walk over its first `count` kv visits (blocks
+  `block_at(j)`, unmasked) with FlashAttention-3's intra-warpgroup overlap:
+  step j issues QK^T of tile j and, behind it, tile j-1's PV, then weighs
+  tile j (score_mod, softmax) while that PV runs. The accumulator stays in
+  one wgmma register set across the walk; the first QK^T and the last PV
+  sit outside the loop. `turns` (see _turns) order the consumers' matrix
+  products. Returns (accumulator, row state).
+
+  The walk is one branch of a cond when it may be empty: a cond around the
+  first step or the last PV alone makes ptxas serialize every wgmma of the
+  kernel (C7513: moves into wgmma registers inside a pipeline stage)."""
+  k_ready, v_ready, k_free, v_free = barriers
+  my_turn, pass_turn = turns
+  rows = q_tile.shape[0]
+
+  def scores(slot, pending):
+    def issue(s_ref):
+      my_turn()
+      mb.plgpu.wgmma(s_ref, q_tile, mb.plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+      if pending is not None:
+        o_ref, w_prev, prev = pending
+        mb.plgpu.wgmma(o_ref, w_prev, v_smem.at[prev])
+      pass_turn()
+      return mb.plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if pending is None else 1)
+
+    s = pl.run_scoped(issue, mb.plgpu.ACC((rows, block_k), jnp.float32))
+    mb.plgpu.barrier_arrive(k_free.at[slot])
+    return s
+
+  def walk(o_ref):
+    mb.plgpu.barrier_wait(k_ready.at[0])
+    w, _, state = weigh(scores(0, None), block_at(0), False, row_state)
+
+    def step(j, carry):
+      w_prev, state = carry
+      slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+      mb.plgpu.barrier_wait(k_ready.at[slot])
+      mb.plgpu.barrier_wait(v_ready.at[prev])
+      s = scores(slot, (o_ref, w_prev, prev))
+      w, acc_factor, state = weigh(s, block_at(j), False, state)
+      acc = o_ref[...]  # waits for tile j-1's PV
+      mb.plgpu.barrier_arrive(v_free.at[prev])
+      if acc_factor is not None:
+        o_ref[...] = rescale(acc, acc_factor)
+      return w, state
+
+    w, state = lax.fori_loop(1, count, step, (w, state))
+    last = lax.rem(count - 1, stages)
+    mb.plgpu.barrier_wait(v_ready.at[last])
+    mb.plgpu.wgmma(o_ref, w, v_smem.at[last])
+    acc = o_ref[...]
+    mb.plgpu.barrier_arrive(v_free.at[last])
+    return acc, state
+
+  run = lambda: pl.run_scoped(walk, mb.plgpu.ACC((rows, d_v), jnp.float32))
+  if not may_be_empty:
+    return run()
+  return lax.cond(count > 0, run,
+                  lambda: (mb.as_tile(jnp.zeros((rows, d_v), jnp.float32)), row_state))
 
 
 def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int) -> int:
@@ -203,7 +305,8 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
       mb.plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),
   ]
   if consumers == 2:
-    scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))
+    scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))  # fold_block's ping-pong
+    scratch.append(mb.plgpu.Barrier(num_arrivals=1, num_barriers=2))  # _turns
   sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
   kernel = mb.kernel(
       functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,

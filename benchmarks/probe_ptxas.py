@@ -1,0 +1,62 @@
+"""What ptxas says about the Mosaic GPU forward: registers, spills, and its
+C7513 warning (wgmma serialized: the whole kernel's matrix products wait on
+each other, which cost the overlapped forward a third of its speed on
+block-sparse variants until the walk's cond moved outside it).
+
+`python benchmarks/probe_ptxas.py [--variants vanilla,causal,...]`: each
+variant compiles in a subprocess with MOSAIC_GPU_DUMP_PTXAS=1 (B1 H2
+S1024 d128 bf16); one line per variant, a nonzero exit if any warns.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+VARIANTS = ("vanilla", "causal", "softcap", "alibi", "documents", "window", "d64")
+
+_COMPILE = """
+import jax, jax.numpy as jnp, pallas_attn as pa
+name = {name!r}
+v = pa.variants
+d = 64 if name == "d64" else 128
+ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None]
+kw = {{"vanilla": {{}}, "d64": {{}}, "causal": v.causal().kwargs(),
+       "softcap": v.softcap(30.0).kwargs(),
+       "alibi": (v.alibi(num_heads=2) + v.causal()).kwargs(),
+       "documents": v.document(ids, causal=True).kwargs(),
+       "window": v.sliding_window(256).kwargs()}}[name]
+q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
+jax.block_until_ready(jax.jit(
+    lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu", **kw))(q, q, q))
+"""
+
+
+def probe(name: str) -> dict:
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+  run = subprocess.run([sys.executable, "-c", _COMPILE.format(name=name)], env=env,
+                       capture_output=True, text=True, timeout=300)
+  text = run.stdout + run.stderr
+  registers = re.findall(r"Used (\d+) registers", text)
+  spills = re.findall(r"(\d+) bytes spill stores", text)
+  return dict(variant=name, ok=run.returncode == 0, registers=registers, spill_stores=spills,
+              serialized_wgmma="C7513" in text)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  args = parser.parse_args()
+  bad = False
+  for name in args.variants.split(","):
+    r = probe(name)
+    bad |= r["serialized_wgmma"] or not r["ok"]
+    print(f"{name:10s} ok={r['ok']} registers={','.join(r['registers'])} "
+          f"spill_stores={','.join(r['spill_stores'])} C7513={r['serialized_wgmma']}", flush=True)
+  sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+  main()
