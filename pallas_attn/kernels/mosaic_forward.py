@@ -264,8 +264,7 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   run = lambda: pl.run_scoped(walk, mb.plgpu.ACC((rows, d_v), jnp.float32))
   if not may_be_empty:
     return run()
-  return lax.cond(count > 0, run,
-                  lambda: (mb.as_tile(jnp.zeros((rows, d_v), jnp.float32)), row_state))
+  return lax.cond(count > 0, run, lambda: (mb.ROWS.zeros_tile(rows, d_v), row_state))
 
 
 def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int) -> int:
