@@ -3,9 +3,11 @@ C7513 warning (wgmma serialized: the whole kernel's matrix products wait on
 each other, which cost the overlapped forward a third of its speed on
 block-sparse variants until the walk's cond moved outside it).
 
-`python benchmarks/probe_ptxas.py [--variants vanilla,causal,...]`: each
-variant compiles in a subprocess with MOSAIC_GPU_DUMP_PTXAS=1 (B1 H2
-S1024 d128 bf16); one line per variant, a nonzero exit if any warns.
+`python benchmarks/probe_ptxas.py [--variants vanilla,causal,...] [--backward]`:
+each variant compiles in a subprocess with MOSAIC_GPU_DUMP_PTXAS=1 (B1 H2
+S1024 d128 bf16; with --backward its gradient too, so the forward, dq and
+dk/dv kernels, in ptxas' order); one line per variant, a nonzero exit if
+any warns.
 """
 from __future__ import annotations
 
@@ -29,14 +31,18 @@ kw = {{"vanilla": {{}}, "d64": {{}}, "causal": v.causal().kwargs(),
        "documents": v.document(ids, causal=True).kwargs(),
        "window": v.sliding_window(256).kwargs()}}[name]
 q = jnp.ones((1, 1024, 2, d), jnp.bfloat16)
-jax.block_until_ready(jax.jit(
-    lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu", **kw))(q, q, q))
+attend = lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu", **kw)
+fn = attend
+if {backward!r}:
+  fn = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+jax.block_until_ready(jax.jit(fn)(q, q, q))
 """
 
 
-def probe(name: str) -> dict:
+def probe(name: str, backward: bool = False) -> dict:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-  run = subprocess.run([sys.executable, "-c", _COMPILE.format(name=name)], env=env,
+  code = _COMPILE.format(name=name, backward=backward)
+  run = subprocess.run([sys.executable, "-c", code], env=env,
                        capture_output=True, text=True, timeout=300)
   text = run.stdout + run.stderr
   registers = re.findall(r"Used (\d+) registers", text)
@@ -48,10 +54,11 @@ def probe(name: str) -> dict:
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--backward", action="store_true")
   args = parser.parse_args()
   bad = False
   for name in args.variants.split(","):
-    r = probe(name)
+    r = probe(name, args.backward)
     bad |= r["serialized_wgmma"] or not r["ok"]
     print(f"{name:10s} ok={r['ok']} registers={','.join(r['registers'])} "
           f"spill_stores={','.join(r['spill_stores'])} C7513={r['serialized_wgmma']}", flush=True)

@@ -4,7 +4,8 @@ Builds the example's Flax model for a variant (ours and the XLA peer, the
 same weights and batch), and reports for each training step the wall time
 (back-to-back steps) and the host's time to dispatch one beside the device
 time of every kernel (CUPTI), grouped into attention kernels, matmuls and
-the rest, with the largest kernels listed.
+the rest, with the largest kernels listed, and the span of back-to-back
+steps on the device's timeline with the idle gaps in it.
 
     python benchmarks/profile_train_step.py --variant softcap --out DIR
 """
@@ -24,7 +25,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import train_lm  # noqa: E402
-from kernel_time import kernel_time_ms  # noqa: E402
+from kernel_time import kernel_time_ms, timeline_ms  # noqa: E402
 from pallas_attn.schedule.timing import median_time_ms  # noqa: E402
 
 _ATTENTION = ("pallas_attn", "mosaic", "attention", "flash", "fmha", "cudnn")
@@ -51,12 +52,13 @@ def profile(label, params, apply, cfg, batch, top):
   census["custom_call_targets"] = dict(collections.Counter(
       re.findall(r'custom_call_target="([^"]+)"', hlo)))
   jax.block_until_ready(run())
-  wall = median_time_ms(run, warmup=2, reps=5)
+  wall = median_time_ms(run, warmup=2, reps=5, window_ms=train_lm.STEP_WINDOW_MS)
   started = time.perf_counter()  # host time to dispatch a step (the device runs behind)
   outs = [run() for _ in range(5)]
   dispatch = (time.perf_counter() - started) / 5 * 1e3
   jax.block_until_ready(outs)
   total, kernels = kernel_time_ms(run, calls=5, warmup=1)
+  span, idle = timeline_ms(run, calls=3, warmup=1)
   groups = collections.defaultdict(float)
   for name, ms in kernels.items():
     kind = "attention" if any(t in name.lower() for t in _ATTENTION) else (
@@ -64,7 +66,8 @@ def profile(label, params, apply, cfg, batch, top):
         else "other")
     groups[kind] += ms
   largest = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-  return dict(label=label, wall_ms=wall, dispatch_ms=dispatch, kernel_ms=total, hlo=census,
+  return dict(label=label, wall_ms=wall, dispatch_ms=dispatch, kernel_ms=total, span_ms=span,
+              idle_ms=idle, hlo=census,
               dispatch_flags=dispatch_flags,
               groups=dict(groups), tokens_per_s=cfg.batch * cfg.seq_len / (wall / 1e3),
               largest=[(name[:120], ms) for name, ms in largest], kernels=kernels)
@@ -88,7 +91,8 @@ def main(argv=None):
     result = profile(label, params, apply, cfg, batch, args.top)
     results.append(result)
     print(f"\n{label}: wall {result['wall_ms']:.2f} ms, host dispatch {result['dispatch_ms']:.2f} ms, "
-          f"kernels {result['kernel_ms']:.2f} ms "
+          f"kernels {result['kernel_ms']:.2f} ms, back-to-back span {result['span_ms']:.2f} ms "
+          f"(idle {result['idle_ms']:.2f}) "
           f"({', '.join(f'{k} {v:.2f}' for k, v in sorted(result['groups'].items()))})")
     print(f"  compiled HLO: {result['hlo']}\n  dispatch: {result['dispatch_flags']}")
     for name, ms in result["largest"]:

@@ -161,7 +161,8 @@ def test_layer_variant_matches_a_dense_layer(default_mode):
 
 def test_decoding_matches_flax_decoding(default_mode):
   """Vanilla decoding one token at a time (batch 1, under nnx.jit): the same
-  outputs and caches as Flax's."""
+  outputs and caches as Flax's (to float32 rounding: ours is jitted and
+  Flax's eager, so their key projections may round apart on a GPU)."""
   theirs, ours = flax_pair()
   x = random((1, 6, FEATURES))
   for layer in (theirs, ours):
@@ -169,7 +170,7 @@ def test_decoding_matches_flax_decoding(default_mode):
   step = nnx.jit(lambda layer, token: layer(token, decode=True))
   for i in range(x.shape[1]):
     assert_close(step(ours, x[:, i:i + 1]), theirs(x[:, i:i + 1], decode=True))
-  np.testing.assert_array_equal(ours.cached_key[...], theirs.cached_key[...])
+  assert_close(ours.cached_key[...], theirs.cached_key[...])
   assert int(ours.cache_index[...]) == int(theirs.cache_index[...]) == x.shape[1]
 
 
