@@ -176,7 +176,8 @@ def _describe_banks(analysis, shape: ProblemShape, config) -> str:
   size = tiles.bank_bytes(analysis, shape.heads_q, round_up(shape.seq_q, config.block_q),
                           round_up(shape.seq_kv, config.block_k), config.block_k)
   return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
-          f"([heads, Sq + Skv, {config.block_k}] per term; linear in S)")
+          f"([heads, Sq + Skv, {config.block_k}] per term; linear in S; the Mosaic GPU "
+          f"backward adds a kv-major copy 64 wide)")
 
 
 def cmd_explain(args) -> int:

@@ -213,3 +213,22 @@ def test_diagonal_bank_tiles(seq_q, seq_kv):
       tile = bank[:, row:row + 64, :]
       q_minus_kv = np.arange(q0, q0 + 64)[:, None] - np.arange(kv0, kv0 + 64)[None, :]
       np.testing.assert_array_equal(tile, vector[:, q_minus_kv + seq_kv - 1])
+
+
+@pytest.mark.parametrize("seq_q,seq_kv", [(128, 320), (320, 128)])
+def test_kv_major_bank_tiles(seq_q, seq_kv):
+  """The kv-major bank's `[kv, q]` tiles (rows from `bank_row(kv0, q0)`) are
+  the transposes of the `[q, kv]` bank's: the term at q - kv."""
+  from pallas_attn.kernels import tiles
+  operand = tiles.CaptureOperand(("h", tiles.DIAGONAL, tiles.DIAGONAL), False,
+                                 diagonals=(seq_q, seq_kv))
+  vector = random((2, seq_q + seq_kv - 1))
+  bank, kv_operand = tiles.kv_major_bank(tiles.diagonal_bank(vector, seq_q, seq_kv, 128),
+                                         operand, 64)
+  assert kv_operand.kv_major and bank.shape == (2, seq_q + seq_kv, 64)
+  for kv0 in range(0, seq_kv, 64):
+    for q0 in range(0, seq_q, 64):
+      row = kv_operand.bank_row(kv0, q0)
+      tile = bank[:, row:row + 64, :]
+      q_minus_kv = np.arange(q0, q0 + 64)[None, :] - np.arange(kv0, kv0 + 64)[:, None]
+      np.testing.assert_array_equal(tile, vector[:, q_minus_kv + seq_kv - 1])

@@ -14,7 +14,7 @@ from conftest import assert_close, qkv, random
 from test_mosaic_forward import B, HKV, HQ, HOPPER, VARIANTS, _variant
 
 hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
-TRITON_BACKWARD = ("rel_table", "t5", "tile_bias")  # [q, kv] tiles and diagonal terms
+TRITON_BACKWARD = ("tile_bias",)  # [q, kv] tiles of a captured array
 
 
 def _gradients(fn, q, k, v, kw):
@@ -62,14 +62,15 @@ def test_variants_ragged_gqa(name, dtype):
 @pytest.mark.parametrize("seq_q,seq_kv", [(200, 520), (520, 200)])
 @pytest.mark.parametrize("name", ["rel_table", "t5"])
 def test_diagonal_terms_uneven_lengths(name, seq_q, seq_kv):
-  """The Mosaic forward's diagonal bank rows for Sq != Skv; Triton's backward."""
+  """Diagonal bank rows for Sq != Skv: the forward's and dq's `[q, kv]`
+  tiles, the dk/dv kernel's `[kv, q]` tiles of the kv-major bank."""
   q, k, v = qkv(batch=1, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=HKV, d_qk=128,
                 d_v=128, dtype=jnp.bfloat16, seed=seq_q)
   kw = _variant(name, seq_q, seq_kv)
   if name == "t5":  # causal aligned at the end, as FlexAttention's
     kw["mask_mod"] = lambda b, h, qi, ki: qi + (seq_kv - seq_q) >= ki
   chosen = _lowering(kw)
-  assert (chosen.forward, chosen.backward) == ("mosaic_gpu", "triton"), chosen.describe()
+  assert (chosen.forward, chosen.backward) == ("mosaic_gpu", "mosaic_gpu"), chosen.describe()
   out = pa.attention(q, k, v, **kw)
   ref = pa.attention_reference(*[x.astype(jnp.float32) for x in (q, k, v)], **kw)
   assert_close(out, ref, jnp.bfloat16)
@@ -127,8 +128,6 @@ def test_differentiated_captures_take_the_triton_passes():
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(d_qk=192), "over 128"),
     (dict(score_mod=lambda s, b, h, qi, ki: s * jnp.sqrt(jnp.abs(s) + 1.0)), "sqrt"),
-    (dict(score_mod=lambda s, b, h, qi, ki: s - jnp.log1p(jnp.abs(qi - ki).astype(jnp.float32))),
-     "q_idx - kv_idx terms"),
 ])
 def test_backward_obstacles_are_named(kwargs, reason, monkeypatch):
   monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
@@ -136,6 +135,15 @@ def test_backward_obstacles_are_named(kwargs, reason, monkeypatch):
   analysis = analyze_variant(**kwargs)
   why = lowering.mosaic_backward_obstacle(analysis, jnp.bfloat16, d_qk, 128, interpret=False)
   assert why is not None and reason in why
+
+
+def test_diagonal_terms_take_the_mosaic_backward(monkeypatch):
+  """A hoisted q_idx - kv_idx term is no obstacle: both kernels read its banks."""
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  analysis = analyze_variant(
+      score_mod=lambda s, b, h, qi, ki: s - jnp.log1p(jnp.abs(qi - ki).astype(jnp.float32)))
+  assert analysis.score_mod.terms
+  assert lowering.mosaic_backward_obstacle(analysis, jnp.bfloat16, 128, 128, False) is None
 
 
 def test_tile_captures_keep_the_backward_on_triton(monkeypatch):

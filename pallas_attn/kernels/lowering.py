@@ -145,11 +145,6 @@ def _backward_obstacle(analysis: VariantAnalysis, d_qk: int, d_v: int) -> str | 
             "accumulators outgrow a warpgroup's registers")
   for label, prog in (("score_mod", analysis.score_mod), ("mask_mod", analysis.mask_mod)):
     for use in () if prog is None else prog.uses:
-      if use.is_term:
-        # The dq and dk/dv kernels reading diagonal banks hung on an H100
-        # (2026-11-23, first compiled run); the forward's reads pass.
-        return (f"{label}'s q_idx - kv_idx terms: the backward's diagonal tiles are not "
-                "lowered yet")
       if not mosaic_backend.supported_capture_axes(use.axes, "kv"):
         return (f"{label} reads a [q, kv] tile of a captured array, which the transposed "
                 "dk/dv tiles cannot load yet")

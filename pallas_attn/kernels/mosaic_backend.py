@@ -144,12 +144,12 @@ def capture_loader(b, h, fixed_axis: str, start, rows: int):
   size) -> value`, a scalar or a `[rows, size]` tile in the accumulator
   layout whose columns run along the other axis (tiles.TileContext.loader).
   The forward and dq tiles are `[q, kv]`; the dk/dv tiles `[kv, q]`. A
-  diagonal term's ref is its bank (tiles.diagonal_bank), which holds `[q,
-  kv]` tiles only: the Mosaic backward leaves terms to Triton's passes."""
+  diagonal term's ref is its bank: `[q, kv]` tiles (tiles.diagonal_bank)
+  for a fixed 'q', `[kv, q]` tiles (tiles.kv_major_bank) for a fixed 'kv'."""
 
   def load(ref, operand, other_start, size):
     if operand.is_term:
-      assert fixed_axis == "q", "diagonal banks hold [q, kv] tiles"
+      assert operand.kv_major == (fixed_axis == "kv"), "a bank of the other tile orientation"
       head = h if operand.axes[0] == "h" else 0
       rows_at = pl.ds(operand.bank_row(start, other_start), rows)
       return plgpu.load(ref, (head, rows_at, pl.ds(0, size)), layout=plgpu.Layout.WGMMA,

@@ -49,7 +49,9 @@ class CaptureOperand:
   axes: tuple
   is_bool: bool
   gather_dims: tuple = ()  # sizes of the array axes flattened into the GATHERED axis
-  diagonals: tuple = ()    # a term's (seq_q_pad, seq_kv_pad)
+  # a term's (seq_q_pad, seq_kv_pad), or (seq_kv_pad, seq_q_pad) for a kv-major bank
+  diagonals: tuple = ()
+  kv_major: bool = False   # a term's bank holds [kv, q] tiles (kv_major_bank)
 
   @property
   def is_gather(self) -> bool:
@@ -59,10 +61,11 @@ class CaptureOperand:
   def is_term(self) -> bool:
     return bool(self.diagonals)
 
-  def bank_row(self, q_start, kv_start):
-    """The first row of the bank's tile at queries from `q_start` and keys
-    from `kv_start` (its columns start at 0)."""
-    return q_start - kv_start + self.diagonals[1]
+  def bank_row(self, row_start, col_start):
+    """The first row of the bank's tile whose rows start at position
+    `row_start` and columns at `col_start` (queries and keys; keys and
+    queries in a kv-major bank); the tile's columns start at 0."""
+    return row_start - col_start + self.diagonals[1]
 
   def flat_index(self, indices):
     """Position in the flattened gathered axis of per-axis index tiles,
@@ -243,6 +246,17 @@ def diagonal_bank(vector, seq_q: int, seq_kv: int, width: int):
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]
   index = jnp.clip(rows - cols - 1, 0, seq_q + seq_kv - 2)  # (q - kv) + seq_kv - 1
   return jnp.take(vector, index, axis=-1)
+
+
+def kv_major_bank(bank, operand: CaptureOperand, width: int):
+  """The `[kv, q]`-tile bank of a term from its `[q, kv]` bank
+  (`diagonal_bank`), with its operand: for kernels whose tiles have keys as
+  rows (the Mosaic dk/dv kernel). Row r, column c holds q - kv = c - r +
+  seq_q: the reversed vector laid out as the bank of the swapped lengths."""
+  seq_q, seq_kv = operand.diagonals
+  vector = bank[..., 1:, 0]  # row j + 1, column 0 holds diagonal index j
+  transposed = dataclasses.replace(operand, diagonals=(seq_kv, seq_q), kv_major=True)
+  return diagonal_bank(vector[..., ::-1], seq_kv, seq_q, width), transposed
 
 
 def gather_capture(ref, operand: CaptureOperand, flat, head=None):
