@@ -1,7 +1,8 @@
 """What ptxas says about the Mosaic GPU forward: registers, spills, and its
-C7513 warning (wgmma serialized: the whole kernel's matrix products wait on
-each other, which cost the overlapped forward a third of its speed on
-block-sparse variants until the walk's cond moved outside it).
+C7512 / C7513 notes (wgmma serialized: the whole kernel's matrix products
+wait on each other; C7513 cost the overlapped forward a third of its speed
+on block-sparse variants until the walk's cond moved outside it, C7512, for
+lack of registers, is in the dk/dv kernel of every masked variant).
 
 `python benchmarks/probe_ptxas.py [--variants vanilla,causal,...] [--backward]`:
 each variant compiles in a subprocess with MOSAIC_GPU_DUMP_PTXAS=1 (B1 H2
@@ -48,7 +49,7 @@ def probe(name: str, backward: bool = False) -> dict:
   registers = re.findall(r"Used (\d+) registers", text)
   spills = re.findall(r"(\d+) bytes spill stores", text)
   return dict(variant=name, ok=run.returncode == 0, registers=registers, spill_stores=spills,
-              serialized_wgmma="C7513" in text)
+              serialized_wgmma=sorted(set(re.findall(r"C751[23]", text))))
 
 
 def main():
@@ -59,9 +60,10 @@ def main():
   bad = False
   for name in args.variants.split(","):
     r = probe(name, args.backward)
-    bad |= r["serialized_wgmma"] or not r["ok"]
+    bad |= bool(r["serialized_wgmma"]) or not r["ok"]
     print(f"{name:10s} ok={r['ok']} registers={','.join(r['registers'])} "
-          f"spill_stores={','.join(r['spill_stores'])} C7513={r['serialized_wgmma']}", flush=True)
+          f"spill_stores={','.join(r['spill_stores'])} "
+          f"serialized_wgmma={','.join(r['serialized_wgmma']) or 'no'}", flush=True)
   sys.exit(1 if bad else 0)
 
 
