@@ -171,13 +171,13 @@ def cmd_bench(args) -> int:
 def _describe_banks(analysis, shape: ProblemShape, config) -> str:
   """The memory of the hoisted terms' diagonal banks in one pass (sequence
   lengths padded to this pass's blocks; the call pads to both passes')."""
-  from pallas_attn.kernels import tiles
+  from pallas_attn.kernels import mosaic_backend, tiles
   from pallas_attn.schedule.config import round_up
   size = tiles.bank_bytes(analysis, shape.heads_q, round_up(shape.seq_q, config.block_q),
                           round_up(shape.seq_kv, config.block_k), config.block_k)
   return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
           f"([heads, Sq + Skv, {config.block_k}] per term; linear in S; the Mosaic GPU "
-          f"backward adds a kv-major copy 64 wide)")
+          f"backward adds a kv-major copy {mosaic_backend.WG_ROWS} wide)")
 
 
 def cmd_explain(args) -> int:
