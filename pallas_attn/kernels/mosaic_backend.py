@@ -208,7 +208,8 @@ def refill(step, stages: int, copies):
   """Producer side of a ring of `stages` slots at `step`: for each
   `(source, ring, ready, free)`, from the second lap on, waits until the
   consumers freed the slot (`free` None: an earlier copy's wait covers it),
-  then starts the TMA copy of `source` into the slot."""
+  then starts the TMA copy of `source` into the slot. Copies may share a
+  `ready` barrier (one arrival each): the consumers then wait once."""
   slot = lax.rem(step, stages)
   for source, ring, ready, free in copies:
     if free is not None:
@@ -227,18 +228,28 @@ def products(pairs, shape):
   return pl.run_scoped(issue, *(acc,) * len(pairs))
 
 
-def fold_visits(visits, body, carry, step=0, skip=0):
-  """Folds `body(step, block, masked, carry)` over the unmasked visits from
-  the `skip`-th, then the masked ones, `step` counting visits from `step`.
-  Returns (carry, the step after the last). Producer and consumers fold the
-  same visits, so their steps (ring slots) agree."""
+def fold_visits(visits, body, carry, step=0, skip=0, sub_steps: int = 1):
+  """Folds `body(step, block, sub, masked, carry)` over sub-steps `sub` in
+  `[0, sub_steps)` of the unmasked visits from the `skip`-th, then of the
+  masked ones, `step` counting sub-steps from `step`. Returns (carry, the
+  step after the last). Producer and consumers fold the same visits, so
+  their steps (ring slots) agree.
+
+  A loop iteration is one sub-step, not a visit: a body unrolled over a
+  visit's sub-steps doubled the dk/dv kernel's loop code, and the causal
+  dk/dv kernel ran 17% slower for it (H200, same-run A/B)."""
   (full_num, full_at), (partial_num, partial_at) = visits
-  carry = lax.fori_loop(skip, full_num, lambda j, c: body(step + j, full_at(j), False, c),
-                        carry)
-  step = step + full_num
-  carry = lax.fori_loop(0, partial_num, lambda j, c: body(step + j, partial_at(j), True, c),
-                        carry)
-  return carry, step + partial_num
+
+  def fold(first, count, block_at, masked, start, carry):
+    def one(t, c):
+      visit, sub = (t, 0) if sub_steps == 1 else (lax.div(t, sub_steps), lax.rem(t, sub_steps))
+      return body(start + t, block_at(visit), sub, masked, c)
+    return lax.fori_loop(first * sub_steps, count * sub_steps, one, carry)
+
+  carry = fold(skip, full_num, full_at, False, step, carry)
+  step = step + full_num * sub_steps
+  carry = fold(0, partial_num, partial_at, True, step, carry)
+  return carry, step + partial_num * sub_steps
 
 
 # Primitives that autodiff binds and Mosaic GPU's lowering (JAX 0.10-0.11)

@@ -79,8 +79,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
 
-    def load(step, kv_block, masked, carry):
-      del masked
+    def load(step, kv_block, sub, masked, carry):
+      del sub, masked
       rows_kv = (b, pl.ds(kv_block * bk, bk), kv_head)
       mb.refill(step, stages, ((k_ref.at[rows_kv], k_smem, k_ready, k_free),
                                (v_ref.at[rows_kv], v_smem, v_ready, v_free)))
@@ -125,7 +125,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
         w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx)
       return w.astype(dtype), acc_factor, state[1:]
 
-    def fold_block(step, kv_block, masked: bool, state):
+    def fold_block(step, kv_block, sub, masked: bool, state):
+      del sub  # one sub-step per visit
       slot = lax.rem(step, stages)
 
       def qk(acc_ref):

@@ -94,7 +94,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
   if row_refs:
     rows_out_ref, *rest = rest
     o_smem, rows_smem, o_ready, *rest = rest
-  (q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, k_ready, v_ready, k_free, v_free) = rest
+  (q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, kv_ready, k_free, v_free) = rest
   dtype = q_ref.dtype
   consumers = plan.block_q // SUB
   sub_steps = plan.block_k // step_keys
@@ -108,15 +108,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
 
-    def load(step, kv_block, masked, carry):
+    def load(step, kv_block, sub, masked, carry):
       del masked
-      for i in range(sub_steps):
-        at = (b, pl.ds(kv_block * plan.block_k + i * step_keys, step_keys), kv_head)
-        mb.refill(step * sub_steps + i, stages, ((k_ref.at[at], k_smem, k_ready, k_free),
-                                                 (v_ref.at[at], v_smem, v_ready, v_free)))
+      at = (b, pl.ds(kv_block * plan.block_k + sub * step_keys, step_keys), kv_head)
+      mb.refill(step, stages, ((k_ref.at[at], k_smem, kv_ready, k_free),
+                               (v_ref.at[at], v_smem, kv_ready, v_free)))
       return carry
 
-    mb.fold_visits(visits, load, None)
+    mb.fold_visits(visits, load, None, sub_steps=sub_steps)
 
   @pl.when(wg < consumers)
   def _consumer():
@@ -152,32 +151,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       mb.plgpu.commit_smem()
       mb.plgpu.copy_smem_to_gmem(rows_smem.at[wg], rows_out_ref.at[b, h, :, q_rows])
 
-    def visit(step, kv_block, masked: bool, dq):
-      for i in range(sub_steps):
-        slot = lax.rem(step * sub_steps + i, stages)
-        kv_start = kv_block * plan.block_k + i * step_keys
-        k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
-        mb.plgpu.barrier_wait(k_ready.at[slot])
-        mb.plgpu.barrier_wait(v_ready.at[slot])
+    def visit(step, kv_block, sub, masked: bool, dq):
+      slot = lax.rem(step, stages)
+      kv_start = kv_block * plan.block_k + sub * step_keys
+      k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
+      mb.plgpu.barrier_wait(kv_ready.at[slot])
 
-        s, dp = mb.products(((q_tile, k_slot), (do_tile, v_slot)), (SUB, step_keys))
-        mb.plgpu.barrier_arrive(v_free.at[slot])
-        kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
-        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
-        row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
-        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
-                                         step_keys) if plan.analysis.separable_bias else tile)
-        _, ds = _gradients(plan, scorer, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx),
-                           cap_refs, (kv_start, step_keys))
+      s, dp = mb.products(((q_tile, k_slot), (do_tile, v_slot)), (SUB, step_keys))
+      mb.plgpu.barrier_arrive(v_free.at[slot])
+      kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
+      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
+      row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
+      scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
+                                       step_keys) if plan.analysis.separable_bias else tile)
+      _, ds = _gradients(plan, scorer, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx),
+                         cap_refs, (kv_start, step_keys))
 
-        def dq_update(acc_ref):
-          mb.plgpu.wgmma(acc_ref, ds.astype(dtype), k_slot)
+      def dq_update(acc_ref):
+        mb.plgpu.wgmma(acc_ref, ds.astype(dtype), k_slot)
 
-        dq = pl.run_state(dq_update)(mb.plgpu.ACC.init(dq))
-        mb.plgpu.barrier_arrive(k_free.at[slot])
+      dq = pl.run_state(dq_update)(mb.plgpu.ACC.init(dq))
+      mb.plgpu.barrier_arrive(k_free.at[slot])
       return dq
 
-    dq, _ = mb.fold_visits(visits, visit, _zeros(SUB, q_ref.shape[-1]))
+    dq, _ = mb.fold_visits(visits, visit, _zeros(SUB, q_ref.shape[-1]), sub_steps=sub_steps)
     q_tile[...] = (dq * plan.scale).astype(dtype)
     mb.plgpu.commit_smem()
     mb.plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, pl.ds(q_start, SUB), h])
@@ -201,7 +198,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
   rows_ref = row_refs[0] if row_refs else None
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, *rest) = rest
   rows_smem = rest.pop(0) if rows_ref is not None else None
-  k_ready, v_ready, q_ready, do_ready, rows_ready, free = rest
+  k_ready, v_ready, ready, free = rest
   dtype = q_ref.dtype
   consumers = plan.block_k // SUB
   sub_steps = plan.block_q // SUB
@@ -231,18 +228,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
     mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
     def head(h, carry, step):
-      def load(step, q_block, masked, carry):
+      def load(step, q_block, sub, masked, carry):
         del masked
-        for i in range(sub_steps):
-          q_rows = pl.ds(q_block * plan.block_q + i * SUB, SUB)
-          copies = [(q_ref.at[b, q_rows, h], q_smem, q_ready, free),  # one wait frees the slot
-                    (do_ref.at[b, q_rows, h], do_smem, do_ready, None)]
-          if rows_ref is not None:
-            copies.append((rows_ref.at[b, h, :, q_rows], rows_smem, rows_ready, None))
-          mb.refill(step * sub_steps + i, stages, copies)
+        q_rows = pl.ds(q_block * plan.block_q + sub * SUB, SUB)
+        copies = [(q_ref.at[b, q_rows, h], q_smem, ready, free),  # one wait frees the slot
+                  (do_ref.at[b, q_rows, h], do_smem, ready, None)]
+        if rows_ref is not None:
+          copies.append((rows_ref.at[b, h, :, q_rows], rows_smem, ready, None))
+        mb.refill(step, stages, copies)
         return carry
 
-      return mb.fold_visits(visits_of(h), load, carry, step)
+      return mb.fold_visits(visits_of(h), load, carry, step, sub_steps=sub_steps)
 
     over_heads(head, None)
 
@@ -264,45 +260,42 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
       if plan.analysis.separable_bias:
         bias_rows = mb.separable_rows(tile, b, h, cap_refs, "kv", kv_start, SUB)
 
-      def visit(step, q_block, masked: bool, acc):
+      def visit(step, q_block, sub, masked: bool, acc):
         dk, dv = acc
-        for i in range(sub_steps):
-          slot = lax.rem(step * sub_steps + i, stages)
-          q_start = q_block * plan.block_q + i * SUB
-          q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
-          mb.plgpu.barrier_wait(q_ready.at[slot])
-          mb.plgpu.barrier_wait(do_ready.at[slot])
+        slot = lax.rem(step, stages)
+        q_start = q_block * plan.block_q + sub * SUB
+        q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+        mb.plgpu.barrier_wait(ready.at[slot])  # q, dO and the row terms
 
-          s, dp = mb.products(((k_tile, q_slot), (v_tile, do_slot)), (SUB, SUB))
-          rows = ()
-          if rows_ref is not None:
-            mb.plgpu.barrier_wait(rows_ready.at[slot])
-            rows = tuple(
-                lax.broadcast_in_dim(
-                    mb.plgpu.load(rows_smem.at[slot], (n,),
-                                  layout=mb.plgpu.Layout.WGMMA.reduce(0)),
-                    (SUB, SUB), (1,))
-                for n in range(plan.num_row_terms))
-          q_idx = mb.tile_indices(q_start, (SUB, SUB), 1)
-          keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, q_start, SUB)
-          if mask_rows:
-            valid = q_idx < plan.seq_q
-            keep = valid if keep is None else jnp.logical_and(keep, valid)
-          scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "kv", kv_start, bias_rows,
-                                           q_start, SUB) if plan.analysis.separable_bias else tile)
-          w, ds = _gradients(plan, scorer, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
-                             (q_start, SUB))
+        s, dp = mb.products(((k_tile, q_slot), (v_tile, do_slot)), (SUB, SUB))
+        rows = ()
+        if rows_ref is not None:
+          rows = tuple(
+              lax.broadcast_in_dim(
+                  mb.plgpu.load(rows_smem.at[slot], (n,),
+                                layout=mb.plgpu.Layout.WGMMA.reduce(0)),
+                  (SUB, SUB), (1,))
+              for n in range(plan.num_row_terms))
+        q_idx = mb.tile_indices(q_start, (SUB, SUB), 1)
+        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, q_start, SUB)
+        if mask_rows:
+          valid = q_idx < plan.seq_q
+          keep = valid if keep is None else jnp.logical_and(keep, valid)
+        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "kv", kv_start, bias_rows,
+                                         q_start, SUB) if plan.analysis.separable_bias else tile)
+        w, ds = _gradients(plan, scorer, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
+                           (q_start, SUB))
 
-          def updates(refs):
-            dv_ref, dk_ref = refs
-            mb.plgpu.wgmma(dv_ref, w.astype(dtype), do_slot)
-            mb.plgpu.wgmma(dk_ref, ds.astype(dtype), q_slot)
+        def updates(refs):
+          dv_ref, dk_ref = refs
+          mb.plgpu.wgmma(dv_ref, w.astype(dtype), do_slot)
+          mb.plgpu.wgmma(dk_ref, ds.astype(dtype), q_slot)
 
-          dv, dk = pl.run_state(updates)((mb.plgpu.ACC.init(dv), mb.plgpu.ACC.init(dk)))
-          mb.plgpu.barrier_arrive(free.at[slot])
+        dv, dk = pl.run_state(updates)((mb.plgpu.ACC.init(dv), mb.plgpu.ACC.init(dk)))
+        mb.plgpu.barrier_arrive(free.at[slot])
         return dk, dv
 
-      return mb.fold_visits(visits_of(h), visit, acc, step)
+      return mb.fold_visits(visits_of(h), visit, acc, step, sub_steps=sub_steps)
 
     init = (_zeros(SUB, k_ref.shape[-1]), _zeros(SUB, v_ref.shape[-1]))
     (dk, dv), _ = over_heads(head, init)
@@ -357,7 +350,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           smem((consumers, SUB, d_v), q.dtype),
           smem((stages, step_keys, d_qk), k.dtype),
           smem((stages, step_keys, d_v), v.dtype),
-          barriers(consumers), barriers(consumers), barriers(stages), barriers(stages),
+          barriers(consumers), barriers(consumers), barriers(stages, 2),  # K and V arrive
           barriers(stages, consumers), barriers(stages, consumers),
       ],
       grid=(heads, num_q_blocks, batch),  # heads fastest, as the forward's
@@ -383,8 +376,9 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           smem((stages, SUB, d_qk), q.dtype),
           smem((stages, SUB, d_v), q.dtype),
           *rows_scratch,
-          barriers(consumers), barriers(consumers), barriers(stages), barriers(stages),
-          barriers(stages), barriers(stages, consumers),
+          barriers(consumers), barriers(consumers),
+          barriers(stages, 3 if row_terms else 2),  # q, dO (and row terms) arrive
+          barriers(stages, consumers),
       ],
       grid=(kv_heads, num_kv_blocks, batch),  # heads fastest (+2-5% f+b, H200 A/B)
       grid_names=("h", "kv", "b"),
