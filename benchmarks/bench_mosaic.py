@@ -9,6 +9,9 @@ kernel time (CUPTI through `torch.profiler`, `kernel_time.py`), ours also by
 device throughput (`median_time_ms`). TFLOP/s count unmasked pairs;
 forward+backward counts the backward as 2.5 forwards. Before timing, each of
 our rows is checked against the other lowering on the timed inputs.
+`--rounds N` times every side of a row N times in alternation: the table
+gives each side's median, the JSON each round's time and the per-round
+ratios of ours to cuDNN and Flex (median and range).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import time
 import traceback
 
@@ -187,6 +191,7 @@ def main(argv=None):
   parser.add_argument("--modes", default="fwd,fwdbwd")
   parser.add_argument("--budget-s", type=float, default=420.0)
   parser.add_argument("--no-flex", action="store_true")
+  parser.add_argument("--rounds", type=int, default=1)
   args = parser.parse_args(argv)
   start = time.perf_counter()
   os.makedirs(args.out, exist_ok=True)
@@ -215,15 +220,25 @@ def main(argv=None):
           row["mosaic_vs_triton_rel_err"] = agreement(sides)
         except Exception as e:
           row["errors"]["agreement"] = f"{type(e).__name__}: {str(e)[:300]}"
-        for side, call in sides.items():
-          try:
-            ms = kernel_time_ms(call)[0]
-            row["tflops"][side] = fl / ms / 1e9
-            if side in ("mosaic_gpu", "triton"):
-              row["tflops"][side + "_throughput"] = fl / median_time_ms(call) / 1e9
-          except Exception as e:
-            row["errors"][side] = f"{type(e).__name__}: {str(e)[:300]}"
-            traceback.print_exc(limit=3)
+        samples = {side: [] for side in sides}
+        for _ in range(args.rounds):
+          for side, call in sides.items():
+            if side in row["errors"]:
+              continue
+            try:
+              samples[side].append(kernel_time_ms(call)[0])
+            except Exception as e:
+              row["errors"][side] = f"{type(e).__name__}: {str(e)[:300]}"
+              traceback.print_exc(limit=3)
+        for side, ms in samples.items():
+          if ms:
+            row["tflops"][side] = fl / statistics.median(ms) / 1e9
+        if args.rounds > 1:
+          row["kernel_ms_rounds"] = samples
+          row["ratio_rounds"] = round_ratios(samples)
+        for side in ("mosaic_gpu", "triton"):
+          if samples.get(side):
+            row["tflops"][side + "_throughput"] = fl / median_time_ms(sides[side]) / 1e9
       except Exception as e:
         row["errors"]["row"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc(limit=3)
@@ -232,6 +247,18 @@ def main(argv=None):
         json.dump(results, f, indent=1)
       print(json.dumps(row), flush=True)
   print_table(results)
+
+
+def round_ratios(samples):
+  """Ours (Mosaic) over cuDNN and over Flex in throughput, per round: median and range."""
+  out = {}
+  for peer in ("cudnn", "flex"):
+    pairs = list(zip(samples.get("mosaic_gpu", []), samples.get(peer, [])))
+    if pairs:
+      vals = sorted(theirs / ours for ours, theirs in pairs)
+      out[f"mosaic_gpu/{peer}"] = {"median": statistics.median(vals),
+                                   "range": [vals[0], vals[-1]]}
+  return out
 
 
 def print_table(results):
@@ -252,6 +279,9 @@ def print_table(results):
           f"{'-' if err is None else f'{err:.1e}'}")
     if "mosaic_gpu not used" in row.get("lowering", ""):
       print(f"    {row['lowering'][:200]}")
+    for label, r in row.get("ratio_rounds", {}).items():
+      print(f"    {label} by round: median {r['median']:.3f} "
+            f"[{r['range'][0]:.3f}-{r['range'][1]:.3f}]")
     for side, e in row["errors"].items():
       print(f"    {side}: {e[:160]}")
 
