@@ -125,6 +125,27 @@ def test_differentiated_captures_take_the_triton_passes():
   assert_close(got, want, jnp.bfloat16, factor=2.0)
 
 
+@pytest.mark.parametrize("sub_steps,skip,step,want", [
+    (2, 0, 1, [(1, 5, 0, 0), (2, 5, 1, 0), (3, 7, 0, 0), (4, 7, 1, 0), (5, 9, 0, 1),
+               (6, 9, 1, 1)]),
+    (1, 1, 0, [(1, 7, 0, 0), (2, 9, 0, 1)]),
+])
+def test_fold_visits_numbers_sub_steps_as_ring_steps(sub_steps, skip, step, want):
+  """Producer and consumers fold the same visits: unmasked blocks (from the
+  `skip`-th), then masked ones, one step per sub-step, counted from `step`."""
+  full = jnp.array([5, 7], jnp.int32)
+  visits = ((jnp.int32(2), lambda j: full[j]), (jnp.int32(1), lambda j: 9 + j))
+
+  def record(step, block, sub, masked, log):
+    return log.at[step].set(jnp.stack([step, block, jnp.asarray(sub, jnp.int32),
+                                       jnp.int32(masked)]))
+
+  log, end = mosaic_backend.fold_visits(visits, record, jnp.full((8, 4), -1, jnp.int32),
+                                        step=step, skip=skip, sub_steps=sub_steps)
+  got = [tuple(int(x) for x in row) for row in np.asarray(log) if row[0] >= 0]
+  assert got == want and int(end) == want[-1][0] + 1
+
+
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(d_qk=192), "over 128"),
     (dict(score_mod=lambda s, b, h, qi, ki: s * jnp.sqrt(jnp.abs(s) + 1.0)), "sqrt"),
