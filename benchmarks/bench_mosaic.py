@@ -238,7 +238,10 @@ def main(argv=None):
           row["ratio_rounds"] = round_ratios(samples)
         for side in ("mosaic_gpu", "triton"):
           if samples.get(side):
-            row["tflops"][side + "_throughput"] = fl / median_time_ms(sides[side]) / 1e9
+            try:
+              row["tflops"][side + "_throughput"] = fl / median_time_ms(sides[side]) / 1e9
+            except Exception as e:
+              row["errors"][side + "_throughput"] = f"{type(e).__name__}: {str(e)[:300]}"
       except Exception as e:
         row["errors"]["row"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc(limit=3)
