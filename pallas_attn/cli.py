@@ -168,16 +168,21 @@ def cmd_bench(args) -> int:
   return 0
 
 
-def _describe_banks(analysis, shape: ProblemShape, config) -> str:
-  """The memory of the hoisted terms' diagonal banks in one pass (sequence
-  lengths padded to this pass's blocks; the call pads to both passes')."""
-  from pallas_attn.kernels import mosaic_backend, tiles
+def _describe_terms(template: str, analysis, shape: ProblemShape, config) -> str:
+  """What the hoisted terms cost in one pass (sequence lengths padded to
+  this pass's blocks; the call pads to both passes'): the Triton templates
+  load bank tiles, the Mosaic GPU ones read the terms' vectors."""
+  from pallas_attn.kernels import tiles
   from pallas_attn.schedule.config import round_up
-  size = tiles.bank_bytes(analysis, shape.heads_q, round_up(shape.seq_q, config.block_q),
-                          round_up(shape.seq_kv, config.block_k), config.block_k)
+  from pallas_attn.schedule.search_space import MOSAIC_TEMPLATES
+  seq_q, seq_kv = round_up(shape.seq_q, config.block_q), round_up(shape.seq_kv, config.block_k)
+  if template in MOSAIC_TEMPLATES:
+    count = len(analysis.score_mod.terms)
+    return (f"diagonal terms: {count} float32 vector(s) over q - kv ([heads, Sq + Skv - 1]), "
+            "each tile's values loaded per position from L1; no bank")
+  size = tiles.bank_bytes(analysis, shape.heads_q, seq_q, seq_kv, config.block_k)
   return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
-          f"([heads, Sq + Skv, {config.block_k}] per term; linear in S; the Mosaic GPU "
-          f"backward adds a kv-major copy {mosaic_backend.WG_ROWS} wide)")
+          f"([heads, Sq + Skv, {config.block_k}] per term; linear in S)")
 
 
 def cmd_explain(args) -> int:
@@ -206,7 +211,7 @@ def cmd_explain(args) -> int:
     config, source = _chosen_config(template, analysis, shape)
     print(f"{template}: {format_config(config)}  [{source}]")
     if template != "decode" and analysis.score_mod is not None and analysis.score_mod.terms:
-      print("  " + _describe_banks(analysis, shape, config))
+      print("  " + _describe_terms(template, analysis, shape, config))
     reason = prune_reason(template, config, shape, device)
     if reason:
       print(f"  warning: the resource model rejects it: {reason}")

@@ -216,19 +216,22 @@ def test_diagonal_bank_tiles(seq_q, seq_kv):
 
 
 @pytest.mark.parametrize("seq_q,seq_kv", [(128, 320), (320, 128)])
-def test_kv_major_bank_tiles(seq_q, seq_kv):
-  """The kv-major bank's `[kv, q]` tiles (rows from `bank_row(kv0, q0)`) are
-  the transposes of the `[q, kv]` bank's: the term at q - kv."""
+@pytest.mark.parametrize("rows_are_queries", [True, False], ids=["q_kv", "kv_q"])
+def test_vector_window_tiles(seq_q, seq_kv, rows_are_queries):
+  """The Mosaic kernels' term tiles (mosaic_backend.diagonal_tile: entry
+  `first + cols - 1 + i - j` of a `vector_window`, or `first + rows - 1 - i +
+  j` for `[kv, q]` tiles) are the term at q - kv, inside the vector."""
   from pallas_attn.kernels import tiles
-  operand = tiles.CaptureOperand(("h", tiles.DIAGONAL, tiles.DIAGONAL), False,
-                                 diagonals=(seq_q, seq_kv))
-  vector = random((2, seq_q + seq_kv - 1))
-  bank, kv_operand = tiles.kv_major_bank(tiles.diagonal_bank(vector, seq_q, seq_kv, 128),
-                                         operand, 64)
-  assert kv_operand.kv_major and bank.shape == (2, seq_q + seq_kv, 64)
-  for kv0 in range(0, seq_kv, 64):
-    for q0 in range(0, seq_q, 64):
-      row = kv_operand.bank_row(kv0, q0)
-      tile = bank[:, row:row + 64, :]
-      q_minus_kv = np.arange(q0, q0 + 64)[None, :] - np.arange(kv0, kv0 + 64)[:, None]
-      np.testing.assert_array_equal(tile, vector[:, q_minus_kv + seq_kv - 1])
+  operand = tiles.CaptureOperand(("h", tiles.DIAGONAL), False, diagonals=(seq_q, seq_kv),
+                                 vector=True)
+  vector = np.asarray(random((2, seq_q + seq_kv - 1)))
+  rows, cols = 64, 128
+  i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
+  row_len, col_len = (seq_q, seq_kv) if rows_are_queries else (seq_kv, seq_q)
+  for r0 in range(0, row_len, rows):
+    for c0 in range(0, col_len - cols + 1, 64):
+      first = operand.vector_window(r0, rows, c0, cols, rows_are_queries)
+      entry = first + (cols - 1 + i - j if rows_are_queries else rows - 1 - i + j)
+      assert 0 <= entry.min() and entry.max() < vector.shape[-1]
+      q, kv = (r0 + i, c0 + j) if rows_are_queries else (c0 + j, r0 + i)
+      np.testing.assert_array_equal(vector[:, entry], vector[:, q - kv + seq_kv - 1])

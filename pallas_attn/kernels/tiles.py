@@ -7,8 +7,9 @@
   operand has its gathered axes flattened into one last axis, passed whole,
   and read at the tile's computed (clamped) positions. A hoisted diagonal
   term (spec/diagonal.py) is evaluated once per call as a vector per head
-  over `q - kv` and laid out as a diagonal bank (`diagonal_bank`), from
-  which every lowering loads its `[q, kv]` tiles densely (no gather).
+  over `q - kv`: the Triton templates load its `[q, kv]` tiles densely from
+  a diagonal bank (`diagonal_bank`), the Mosaic GPU ones read the vector
+  (`CaptureOperand.vector_window`, mosaic_backend.diagonal_tile).
 * `TileContext`: evaluates score_mod and mask_mod on a `[block_q, block_k]`
   tile with the in-kernel interpreter; the backward evaluates score_mod on
   capture values it passes in, so that it can differentiate with respect to
@@ -49,9 +50,10 @@ class CaptureOperand:
   axes: tuple
   is_bool: bool
   gather_dims: tuple = ()  # sizes of the array axes flattened into the GATHERED axis
-  # a term's (seq_q_pad, seq_kv_pad), or (seq_kv_pad, seq_q_pad) for a kv-major bank
-  diagonals: tuple = ()
-  kv_major: bool = False   # a term's bank holds [kv, q] tiles (kv_major_bank)
+  diagonals: tuple = ()  # a term's (seq_q_pad, seq_kv_pad)
+  # a term passed as its vector `[Hv, seq_q + seq_kv - 1]` (index q - kv +
+  # seq_kv - 1) instead of its bank (`vector_window`)
+  vector: bool = False
 
   @property
   def is_gather(self) -> bool:
@@ -62,10 +64,19 @@ class CaptureOperand:
     return bool(self.diagonals)
 
   def bank_row(self, row_start, col_start):
-    """The first row of the bank's tile whose rows start at position
-    `row_start` and columns at `col_start` (queries and keys; keys and
-    queries in a kv-major bank); the tile's columns start at 0."""
+    """The first row of the bank's tile whose rows start at query
+    `row_start` and columns at key `col_start`; its columns start at 0."""
     return row_start - col_start + self.diagonals[1]
+
+  def vector_window(self, row_start, rows: int, col_start, cols: int, rows_are_queries: bool):
+    """The first of the `rows + cols - 1` vector entries that a term's
+    `[rows, cols]` tile spans, its rows at positions from `row_start` and
+    columns from `col_start` (queries and keys, or keys and queries): the
+    tile at (i, j) holds entry `first + cols - 1 + i - j` (`[q, kv]`) or
+    `first + rows - 1 - i + j` (`[kv, q]`)."""
+    if rows_are_queries:
+      return row_start - col_start - cols + self.diagonals[1]
+    return col_start - row_start - rows + self.diagonals[1]
 
   def flat_index(self, indices):
     """Position in the flattened gathered axis of per-axis index tiles,
@@ -98,7 +109,8 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
   (score_mod's, mask_mod's captured arrays) replaces the traced ones, e.g.
   with the differentiable arguments of a custom_vjp. A term is evaluated
   here, for `heads` query heads, as its bank for tiles of at most
-  `bank_width` keys (the kernel's block_k).
+  `bank_width` keys (the kernel's block_k), or without one as its vector
+  (the Mosaic GPU kernels read tiles from it, mosaic_backend.diagonal_tile).
   """
   if consts is None:
     consts = tuple(() if prog is None else prog.traced.consts
@@ -109,13 +121,16 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
       continue
     for use in prog.uses:
       if use.is_term:
-        if bank_width is None:
-          raise ValueError("capture_operands: score_mod has hoisted terms; pass bank_width")
         vector = diagonal.term_vector(prog.traced.jaxpr, prog_consts, prog.inputs,
                                       prog.terms[use.term], heads, seq_q_pad, seq_kv_pad)
-        arrays.append(diagonal_bank(vector, seq_q_pad, seq_kv_pad, bank_width))
-        operands.append(CaptureOperand(use.axes + (DIAGONAL,), False,
-                                       diagonals=(seq_q_pad, seq_kv_pad)))
+        if bank_width is None:
+          arrays.append(vector)
+          operands.append(CaptureOperand(use.axes, False, diagonals=(seq_q_pad, seq_kv_pad),
+                                         vector=True))
+        else:
+          arrays.append(diagonal_bank(vector, seq_q_pad, seq_kv_pad, bank_width))
+          operands.append(CaptureOperand(use.axes + (DIAGONAL,), False,
+                                         diagonals=(seq_q_pad, seq_kv_pad)))
         continue
       x = jnp.asarray(prog_consts[use.capture])
       is_bool = x.dtype == jnp.bool_
@@ -246,17 +261,6 @@ def diagonal_bank(vector, seq_q: int, seq_kv: int, width: int):
   cols = jnp.arange(width, dtype=jnp.int32)[None, :]
   index = jnp.clip(rows - cols - 1, 0, seq_q + seq_kv - 2)  # (q - kv) + seq_kv - 1
   return jnp.take(vector, index, axis=-1)
-
-
-def kv_major_bank(bank, operand: CaptureOperand, width: int):
-  """The `[kv, q]`-tile bank of a term from its `[q, kv]` bank
-  (`diagonal_bank`), with its operand: for kernels whose tiles have keys as
-  rows (the Mosaic dk/dv kernel). Row r, column c holds q - kv = c - r +
-  seq_q: the reversed vector laid out as the bank of the swapped lengths."""
-  seq_q, seq_kv = operand.diagonals
-  vector = bank[..., 1:, 0]  # row j + 1, column 0 holds diagonal index j
-  transposed = dataclasses.replace(operand, diagonals=(seq_kv, seq_q), kv_major=True)
-  return diagonal_bank(vector[..., ::-1], seq_kv, seq_q, width), transposed
 
 
 def gather_capture(ref, operand: CaptureOperand, flat, head=None):

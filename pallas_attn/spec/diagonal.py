@@ -4,9 +4,8 @@ A relative-position bias (a learned table read at `q_idx - kv_idx`, T5's
 log-spaced buckets of it) takes one value per diagonal of the score matrix.
 Evaluated on every tile it costs a gather, and T5's log and divisions, at
 every position; evaluated once per call over the `Sq + Skv - 1` diagonals
-in plain JAX it is one vector per head (linear memory), laid out as a
-diagonal bank from which every lowering loads dense `[q, kv]` tiles
-(`kernels/tiles.py`).
+in plain JAX it is one vector per head (linear memory), from which the
+kernels read their tiles (`kernels/tiles.py`).
 
 `find_terms` picks the subexpressions worth it: float values whose inputs
 are `h`, captured arrays and one difference `a * (q_idx - kv_idx) + c`,

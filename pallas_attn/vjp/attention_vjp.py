@@ -70,13 +70,15 @@ def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse
 
 
 def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
-  capture_arrays, operands = tiles.capture_operands(spec.analysis, q.shape[1], k.shape[1], consts,
-                                                    heads=q.shape[2],
-                                                    bank_width=spec.config.block_k)
+  # Mosaic GPU reads a term from its vector (mosaic_backend.diagonal_tile); Triton from banks.
+  mosaic = spec.forward_lowering == lowering.MOSAIC_GPU
+  capture_arrays, operands = tiles.capture_operands(
+      spec.analysis, q.shape[1], k.shape[1], consts, heads=q.shape[2],
+      bank_width=None if mosaic else spec.config.block_k)
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
   lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
-  if spec.forward_lowering == lowering.MOSAIC_GPU:
+  if mosaic:
     from pallas_attn.kernels import mosaic_forward
     template = mosaic_forward
   else:
@@ -208,7 +210,7 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
       template = mosaic_backward
   capture_arrays, operands = tiles.capture_operands(
       analysis, res.q.shape[1], res.k.shape[1], res.consts, heads=res.q.shape[2],
-      bank_width=cfg.block_k)
+      bank_width=None if template is not parallel_backward else cfg.block_k)
   plan = parallel_backward.BackwardPlan(
       **_plan_fields(spec, cfg, operands, block_mask is not None, res.sinks is not None),
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)

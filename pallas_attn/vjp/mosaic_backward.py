@@ -17,10 +17,10 @@ side by TMA through a ring of `num_stages` shared-memory slots:
 
 Visits come from the block mask at (block_q, block_k) (or every block, as
 the Triton passes); each visited block is streamed in 64-row sub-steps.
-A diagonal term (spec/diagonal.py) is read from its bank as `[q, kv]` tiles
-in the dq kernel and from a kv-major copy as `[kv, q]` tiles in the dk/dv
-kernel. Capture gradients are not lowered here: calls that need them run
-the Triton passes (vjp/attention_vjp.py decides).
+A diagonal term (spec/diagonal.py) is read from its vector over q - kv, as
+`[q, kv]` tiles in the dq kernel and `[kv, q]` tiles in the dk/dv kernel
+(mosaic_backend.diagonal_tile). Capture gradients are not lowered here:
+calls that need them run the Triton passes (vjp/attention_vjp.py decides).
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import mosaic_backend as mb
-from pallas_attn.kernels import tiles
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2, split_inputs,
                                               tile_gradients)
@@ -179,18 +178,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.commit_smem()
     mb.plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, pl.ds(q_start, SUB), h])
     mb.plgpu.wait_smem_to_gmem(0)
-
-
-def _kv_major_terms(capture_arrays, operands):
-  """The dk/dv kernel's captures: each term's bank as `[kv, q]` tiles
-  (tiles.kv_major_bank), the other arrays as they are."""
-  arrays, kv_operands = [], []
-  for array, operand in zip(capture_arrays, operands):
-    if operand.is_term:
-      array, operand = tiles.kv_major_bank(array, operand, SUB)
-    arrays.append(array)
-    kv_operands.append(operand)
-  return tuple(arrays), tuple(kv_operands)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int):
@@ -363,11 +350,9 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   consumers = plan.block_k // SUB
   stages = dkv_stages
   kv_lists = () if block_mask is None else block_mask.kv_major(num_kv_blocks)
-  kv_arrays, kv_operands = _kv_major_terms(capture_arrays, plan.operands)
   rows_scratch = [mb.plgpu.SMEM((stages, 2, SUB), jnp.float32)] if row_terms else []
   dk, dv = mb.kernel(
-      functools.partial(_dkv_kernel, plan=dataclasses.replace(kernel_plan, operands=kv_operands),
-                        stages=stages),
+      functools.partial(_dkv_kernel, plan=kernel_plan, stages=stages),
       name="pallas_attn_mosaic_dkv",
       out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       scratch_types=[
@@ -385,5 +370,5 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=params,
-  )(q, k, v, d_out, *row_terms, *kv_arrays, *kv_lists)
+  )(q, k, v, d_out, *row_terms, *capture_arrays, *kv_lists)
   return dq, dk, dv, (None,) * len(plan.grad_kinds)
