@@ -92,6 +92,17 @@ def test_explain_says_what_the_diagonal_banks_cost(capsys, tmp_path):
   assert code == 0 and f"{expected / 2**20:.0f} MiB" in line and f", {block_k}] per term" in line
 
 
+def test_explain_says_mosaic_reads_term_vectors(capsys, tmp_path):
+  rel = tmp_path / "rel.py"
+  rel.write_text("import jax.numpy as jnp\ntable = jnp.zeros((16, 8191))\n"
+                 "def score_mod(s, b, h, q_idx, kv_idx):\n"
+                 "  return s + table[h, q_idx - kv_idx + 4095]\n")
+  code, out, _ = run(capsys, "explain", str(rel), "--heads", "16", "--seq-q", "4096",
+                     "--templates", "forward_mosaic")
+  line, = [line for line in out.splitlines() if "diagonal terms" in line]
+  assert code == 0 and "512 KiB" in line and "no bank" in line  # 16 x 8191 float32
+
+
 def test_explain_says_what_the_block_mask_costs(capsys, tmp_path, variant_file):
   code, out, _ = run(capsys, "explain", variant_file, *TINY, "--templates", "forward")
   assert code == 0 and "block mask: a constant of the jitted call" in out
