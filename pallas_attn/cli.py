@@ -177,11 +177,10 @@ def _describe_terms(template: str, analysis, shape: ProblemShape, config) -> str
   from pallas_attn.schedule.search_space import MOSAIC_TEMPLATES
   seq_q, seq_kv = round_up(shape.seq_q, config.block_q), round_up(shape.seq_kv, config.block_k)
   if template in MOSAIC_TEMPLATES:
-    size = sum((shape.heads_q if t.per_head else 1) * (seq_q + seq_kv - 1) * 4
-               for t in analysis.score_mod.terms)
+    size = tiles.term_bytes(analysis, shape.heads_q, seq_q, seq_kv)
     return (f"diagonal terms: read from their float32 vectors over q - kv ([heads, Sq + Skv - 1] "
             f"per term, {size / 2**10:.0f} KiB), each tile position by its own load; no bank")
-  size = tiles.bank_bytes(analysis, shape.heads_q, seq_q, seq_kv, config.block_k)
+  size = tiles.term_bytes(analysis, shape.heads_q, seq_q, seq_kv, config.block_k)
   return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
           f"([heads, Sq + Skv, {config.block_k}] per term; linear in S)")
 

@@ -77,12 +77,18 @@ def test_explain_verbose_lists_pruned_configs(capsys, variant_file):
   assert code == 0 and "pruned block_q=64" in out and "> padded seq_q 32" in out
 
 
-def test_explain_says_what_the_diagonal_banks_cost(capsys, tmp_path):
-  rel = tmp_path / "rel.py"
-  rel.write_text("import jax.numpy as jnp\ntable = jnp.zeros((16, 8191))\n"
-                 "def score_mod(s, b, h, q_idx, kv_idx):\n"
-                 "  return s + table[h, q_idx - kv_idx + 4095]\n")
-  code, out, _ = run(capsys, "explain", str(rel), "--heads", "16", "--seq-q", "4000",
+@pytest.fixture
+def rel_table_file(tmp_path):
+  """A relative-position table read at q - kv (a hoisted diagonal term), 16 heads."""
+  path = tmp_path / "rel.py"
+  path.write_text("import jax.numpy as jnp\ntable = jnp.zeros((16, 8191))\n"
+                  "def score_mod(s, b, h, q_idx, kv_idx):\n"
+                  "  return s + table[h, q_idx - kv_idx + 4095]\n")
+  return str(path)
+
+
+def test_explain_says_what_the_diagonal_banks_cost(capsys, rel_table_file):
+  code, out, _ = run(capsys, "explain", rel_table_file, "--heads", "16", "--seq-q", "4000",
                      "--templates", "forward")
   line, = [line for line in out.splitlines() if "diagonal banks" in line]
   config = re.search(r"forward: block_q=(\d+) block_k=(\d+)", out)
@@ -92,12 +98,8 @@ def test_explain_says_what_the_diagonal_banks_cost(capsys, tmp_path):
   assert code == 0 and f"{expected / 2**20:.0f} MiB" in line and f", {block_k}] per term" in line
 
 
-def test_explain_says_mosaic_reads_term_vectors(capsys, tmp_path):
-  rel = tmp_path / "rel.py"
-  rel.write_text("import jax.numpy as jnp\ntable = jnp.zeros((16, 8191))\n"
-                 "def score_mod(s, b, h, q_idx, kv_idx):\n"
-                 "  return s + table[h, q_idx - kv_idx + 4095]\n")
-  code, out, _ = run(capsys, "explain", str(rel), "--heads", "16", "--seq-q", "4096",
+def test_explain_says_mosaic_reads_term_vectors(capsys, rel_table_file):
+  code, out, _ = run(capsys, "explain", rel_table_file, "--heads", "16", "--seq-q", "4096",
                      "--templates", "forward_mosaic")
   line, = [line for line in out.splitlines() if "diagonal terms" in line]
   assert code == 0 and "512 KiB" in line and "no bank" in line  # 16 x 8191 float32

@@ -243,11 +243,14 @@ def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, hea
   return x != 0 if operand.is_bool else x
 
 
-def bank_bytes(analysis: VariantAnalysis, heads: int, seq_q_pad: int, seq_kv_pad: int,
-               width: int) -> int:
-  """Bytes of the diagonal banks `capture_operands` builds for one pass."""
+def term_bytes(analysis: VariantAnalysis, heads: int, seq_q_pad: int, seq_kv_pad: int,
+               bank_width: int | None = None) -> int:
+  """Bytes of the terms' arrays `capture_operands` passes for one pass:
+  their banks `bank_width` wide, or without one their vectors."""
   terms = () if analysis.score_mod is None else analysis.score_mod.terms
-  return sum((heads if t.per_head else 1) * (seq_q_pad + seq_kv_pad) * width * 4 for t in terms)
+  per_head = (seq_q_pad + seq_kv_pad - 1 if bank_width is None
+              else (seq_q_pad + seq_kv_pad) * bank_width)
+  return sum((heads if t.per_head else 1) * per_head * 4 for t in terms)
 
 
 def diagonal_bank(vector, seq_q: int, seq_kv: int, width: int):
