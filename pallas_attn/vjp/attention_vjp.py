@@ -216,11 +216,9 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
   if template is parallel_backward:
     rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
-    delta = None if res.sinks is None else rows[:, :, 1]  # sinks: softmax's (lse2, delta)
   else:  # the dq kernel computes delta
     rows = template.row_inputs(analysis.rownorm, res.out, res.stat, d_stat)
-    delta = None if res.sinks is None else _delta(res.out, d_out, d_stat)
-  dq, dk, dv, partials = template.backward(
+  dq, dk, dv, partials, used_rows = template.backward(
       res.q, res.k, res.v, d_out, rows, capture_arrays, block_mask, plan=plan, config=cfg,
       interpret=spec.interpret)
   score_consts, mask_consts = res.consts
@@ -240,7 +238,8 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
   score_grads = tuple(None if g is None else g.astype(jnp.result_type(c))
                       for g, c in zip(grads, score_consts))
   return (dq, dk, dv, (score_grads, (None,) * len(mask_consts)), None,
-          None if res.sinks is None else _sink_gradient(res.sinks, res.stat, delta, spec.seq_q))
+          None if res.sinks is None else
+          _sink_gradient(res.sinks, res.stat, used_rows[:, :, 1], spec.seq_q))  # softmax's delta
 
 
 def _differentiates_a_term(analysis, differentiated) -> bool:

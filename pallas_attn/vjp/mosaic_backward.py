@@ -298,9 +298,11 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
              config: AttentionConfig, interpret: bool):
   """Runs the Mosaic GPU dq and dk/dv kernels on padded inputs; the contract
   of parallel_backward.backward for calls whose captures need no gradient
-  (softmax and elementwise rownorms). `config.block_q` / `block_k` are the
-  rows a dq / dk-dv program owns (64 per consumer warpgroup) and the block
-  mask's tiles; `config.num_stages` the depth of the 64-row ring."""
+  (softmax and elementwise rownorms), returning as rows the row terms the dq
+  kernel computed (softmax's `[B, H, 2, Sq_pad]` lse2 and delta), or None.
+  `config.block_q` / `block_k` are the rows a dq / dk-dv program owns (64
+  per consumer warpgroup) and the block mask's tiles; `config.num_stages`
+  the depth of the 64-row ring."""
   del interpret  # compiled only (mosaic_backend.unavailable)
   if any(kind is not None for kind in plan.grad_kinds):
     raise ValueError("the Mosaic GPU backward does not lower capture gradients")
@@ -371,4 +373,4 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
       thread_name="wg",
       compiler_params=params,
   )(q, k, v, d_out, *row_terms, *capture_arrays, *kv_lists)
-  return dq, dk, dv, (None,) * len(plan.grad_kinds)
+  return dq, dk, dv, (None,) * len(plan.grad_kinds), (row_terms[0] if row_terms else None)

@@ -371,10 +371,11 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   q, k, v as for the forward; d_out `[B, Sq_pad, Hq, Dv_pad]`; rows: the
   row terms `[B, Hq, T, Sq_pad]` float32 (None when T = 0); block_mask: a
   BlockMask with the plan's blocks, or None. Returns (dq, dk, dv, capture
-  partials): the partials, in `plan.grad_kinds` order of their uses, are
-  `[B, Hq, Sq_pad]` (ROW), `[B, Hq, Sq_pad, Skv_pad]` (TILE, only visited
-  tiles written), `[B, Hq, Skv_pad]` (KEY) and `[B, Hq, nq, T]` (GATHER,
-  per q block, T the operand's flattened gathered axis) float32.
+  partials, rows): rows as given; the partials, in `plan.grad_kinds` order
+  of their uses, are `[B, Hq, Sq_pad]` (ROW), `[B, Hq, Sq_pad, Skv_pad]`
+  (TILE, only visited tiles written), `[B, Hq, Skv_pad]` (KEY) and `[B, Hq,
+  nq, T]` (GATHER, per q block, T the operand's flattened gathered axis)
+  float32.
   """
   batch, seq_q_pad, heads, d_qk = q.shape
   seq_kv_pad, kv_heads, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -451,4 +452,4 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   )(q, k, v, d_out, *row_inputs, *capture_arrays, *kv_lists)
 
   by_use = dict(zip(dq_uses, dq_grads)) | dict(zip(key_uses, key_grads))
-  return dq, dk, dv, tuple(by_use.get(n) for n in range(len(plan.grad_kinds)))
+  return dq, dk, dv, tuple(by_use.get(n) for n in range(len(plan.grad_kinds))), rows
