@@ -171,15 +171,16 @@ def cmd_bench(args) -> int:
 def _describe_terms(template: str, analysis, shape: ProblemShape, config) -> str:
   """What the hoisted terms cost in one pass (sequence lengths padded to
   this pass's blocks; the call pads to both passes'): the Triton templates
-  load bank tiles, the Mosaic GPU ones read the terms' vectors."""
+  load bank tiles, the Mosaic GPU ones read the terms' vectors as pairs."""
   from pallas_attn.kernels import tiles
   from pallas_attn.schedule.config import round_up
   from pallas_attn.schedule.search_space import MOSAIC_TEMPLATES
   seq_q, seq_kv = round_up(shape.seq_q, config.block_q), round_up(shape.seq_kv, config.block_k)
   if template in MOSAIC_TEMPLATES:
     size = tiles.term_bytes(analysis, shape.heads_q, seq_q, seq_kv)
-    return (f"diagonal terms: read from their float32 vectors over q - kv ([heads, Sq + Skv - 1] "
-            f"per term, {size / 2**10:.0f} KiB), each tile position by its own load; no bank")
+    return (f"diagonal terms: read as neighbour pairs of their float32 vectors over q - kv "
+            f"([heads, Sq + Skv - 1, 2] per term, {size / 2**10:.0f} KiB), one load per pair a "
+            f"thread's tile holds; no bank")
   size = tiles.term_bytes(analysis, shape.heads_q, seq_q, seq_kv, config.block_k)
   return (f"diagonal banks: {size / 2**20:.0f} MiB of float32 built per call "
           f"([heads, Sq + Skv, {config.block_k}] per term; linear in S)")

@@ -102,7 +102,7 @@ def test_explain_says_mosaic_reads_term_vectors(capsys, rel_table_file):
   code, out, _ = run(capsys, "explain", rel_table_file, "--heads", "16", "--seq-q", "4096",
                      "--templates", "forward_mosaic")
   line, = [line for line in out.splitlines() if "diagonal terms" in line]
-  assert code == 0 and "512 KiB" in line and "no bank" in line  # 16 x 8191 float32
+  assert code == 0 and "1024 KiB" in line and "no bank" in line  # 16 x 8191 x 2 float32
 
 
 def test_explain_says_what_the_block_mask_costs(capsys, tmp_path, variant_file):

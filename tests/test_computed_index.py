@@ -235,3 +235,14 @@ def test_vector_window_tiles(seq_q, seq_kv, rows_are_queries):
       assert 0 <= entry.min() and entry.max() < vector.shape[-1]
       q, kv = (r0 + i, c0 + j) if rows_are_queries else (c0 + j, r0 + i)
       np.testing.assert_array_equal(vector[:, entry], vector[:, q - kv + seq_kv - 1])
+
+
+def test_term_pairs_hold_each_entry_beside_the_next():
+  """The Mosaic kernels' layout of a term's vector: one aligned load per
+  pair of neighbouring entries (mosaic_backend.diagonal_tile)."""
+  from pallas_attn.kernels import tiles
+  vector = np.asarray(random((2, 9)))
+  pairs = np.asarray(tiles.term_pairs(jnp.asarray(vector)))
+  assert pairs.shape == (2, 9, 2)
+  np.testing.assert_array_equal(pairs[..., 0], vector)
+  np.testing.assert_array_equal(pairs[:, :-1, 1], vector[:, 1:])

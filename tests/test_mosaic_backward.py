@@ -62,8 +62,8 @@ def test_variants_ragged_gqa(name, dtype):
 @pytest.mark.parametrize("seq_q,seq_kv", [(200, 520), (520, 200)])
 @pytest.mark.parametrize("name", ["rel_table", "t5"])
 def test_diagonal_terms_uneven_lengths(name, seq_q, seq_kv):
-  """Diagonal bank rows for Sq != Skv: the forward's and dq's `[q, kv]`
-  tiles, the dk/dv kernel's `[kv, q]` tiles of the kv-major bank."""
+  """Diagonal term windows for Sq != Skv: the forward's and dq's `[q, kv]`
+  tiles, the dk/dv kernel's `[kv, q]` tiles of the term's vector."""
   q, k, v = qkv(batch=1, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=HKV, d_qk=128,
                 d_v=128, dtype=jnp.bfloat16, seed=seq_q)
   kw = _variant(name, seq_q, seq_kv)
@@ -75,6 +75,31 @@ def test_diagonal_terms_uneven_lengths(name, seq_q, seq_kv):
   ref = pa.attention_reference(*[x.astype(jnp.float32) for x in (q, k, v)], **kw)
   assert_close(out, ref, jnp.bfloat16)
   _check(q, k, v, kw)
+
+
+@hopper
+@pytest.mark.gpu
+def test_diagonal_term_closed_over_under_jit_and_vmap():
+  """A relative-position table closed over as users write it: eager twice
+  (the same bits), jitted, vmapped, and its q/k/v gradients jitted."""
+  seq = 300
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=12)
+  kw = _variant("rel_table", seq, seq)
+  call = lambda q, k, v: pa.attention(q, k, v, **kw)
+  ref = pa.attention_reference(*[x.astype(jnp.float32) for x in (q, k, v)], **kw)
+  eager, again = call(q, k, v), call(q, k, v)
+  np.testing.assert_array_equal(np.asarray(eager, np.float32), np.asarray(again, np.float32))
+  vmapped = jax.jit(jax.vmap(call))(q[None], k[None], v[None])[0]
+  for out in (eager, jax.jit(call)(q, k, v), vmapped):
+    assert_close(out, ref, jnp.bfloat16)
+  grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32)),
+                           argnums=(0, 1, 2)))(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  refs = jax.grad(lambda q, k, v: jnp.sum(pa.attention_reference(q, k, v, **kw)),
+                  argnums=(0, 1, 2))(*f32)
+  for g, r in zip(grads, refs):
+    assert_close(g, r, jnp.bfloat16, factor=2.0)
 
 
 @hopper
@@ -159,7 +184,7 @@ def test_backward_obstacles_are_named(kwargs, reason, monkeypatch):
 
 
 def test_diagonal_terms_take_the_mosaic_backward(monkeypatch):
-  """A hoisted q_idx - kv_idx term is no obstacle: both kernels read its banks."""
+  """A hoisted q_idx - kv_idx term is no obstacle: both kernels read its vector."""
   monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
   analysis = analyze_variant(
       score_mod=lambda s, b, h, qi, ki: s - jnp.log1p(jnp.abs(qi - ki).astype(jnp.float32)))

@@ -44,7 +44,7 @@ def _variant(name, seq_q, seq_kv):
   elif name == "row_bias":  # a [B, H, Sq] captured array
     bias = random((B, HQ, seq_q), seed=6)
     kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, h, qi])
-  elif name == "rel_table":  # a hoisted diagonal term (a bank of tiles in the kernel)
+  elif name == "rel_table":  # a hoisted diagonal term (the kernels read its vector)
     table = random((HQ, seq_q + seq_kv - 1), seed=8)
     kw = dict(score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki + seq_kv - 1])
   elif name == "t5":  # T5's log buckets of q - kv, causal: a hoisted term too

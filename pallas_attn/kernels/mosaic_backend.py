@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -22,10 +23,11 @@ from pallas_attn.kernels.online import RowLayout
 from pallas_attn.spec.trace import eval_inlined
 
 try:  # absent or broken on some JAX builds; `unavailable` says so
+  from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.pallas import mosaic_gpu as plgpu
   _IMPORT_ERROR = None
 except Exception as e:  # pragma: no cover - depends on the installed JAX
-  plgpu, _IMPORT_ERROR = None, e
+  mgpu, plgpu, _IMPORT_ERROR = None, None, e
 
 MIN_COMPUTE_CAPABILITY = (9, 0)
 WG_ROWS = 64       # query rows per consumer warpgroup: the M of one wgmma
@@ -144,10 +146,11 @@ def capture_loader(b, h, fixed_axis: str, start, rows: int):
   size) -> value`, a scalar or a `[rows, size]` tile in the accumulator
   layout whose columns run along the other axis (tiles.TileContext.loader).
   The forward and dq tiles are `[q, kv]`; the dk/dv tiles `[kv, q]`. A
-  diagonal term's ref is its vector over q - kv (diagonal_tile)."""
+  diagonal term's ref is its vector over q - kv as neighbour pairs
+  (diagonal_tile)."""
 
   def load(ref, operand, other_start, size):
-    if operand.is_term:  # its vector, read at q - kv + seq_kv - 1 (tiles.capture_operands)
+    if operand.is_term:  # its vector's pairs, at q - kv + seq_kv - 1 (tiles.capture_operands)
       assert operand.vector, "Mosaic GPU kernels take a term's vector, not its bank"
       head = h if operand.axes[0] == "h" else 0
       queries = fixed_axis == "q"
@@ -181,45 +184,77 @@ def capture_loader(b, h, fixed_axis: str, start, rows: int):
   return load
 
 
-def diagonal_tile(vector, shape, rows_are_queries: bool):
-  """The `shape` tile of a diagonal term from the `rows + cols - 1` values
-  of its vector that the tile spans (a 1-D ref): `vector[cols - 1 + i - j]`
-  at (i, j) for `[q, kv]` tiles, `vector[rows - 1 - i + j]` for `[kv, q]`.
+def _pair_parts(shape, rows_are_queries: bool) -> list[tuple[int, int]]:
+  """For each of a thread's positions, in the order `FragmentedArray.foreach`
+  visits them: the static part of the offset into a diagonal term's window
+  of the neighbour pair holding it, and its place in the pair. A position's
+  offset is `i - j` (`[q, kv]` tiles) or `j - i` (`[kv, q]`) plus a thread
+  offset the WGMMA layout adds to every one, so thread 0's positions give
+  the static parts; the layout's two-element vectors are column neighbours,
+  one pair of the window."""
+  rows, cols = shape
+  layout = mgpu.WGMMA_LAYOUT
+  assert layout.vector_length == 2, layout
+  strides = layout.tiling.tile_strides((cols, 1))
+  parts = []
+  for register in np.ndindex(layout.registers_shape(shape)):
+    i, j = divmod(sum(n * s for n, s in zip(register, strides)), cols)
+    first = i - j - 1 if rows_are_queries else j - i  # the pair: offsets first, first + 1
+    parts += [(first, 1 - e if rows_are_queries else e) for e in range(2)]
+  return parts
 
-  One load per position, each at a constant offset from a per-row address
-  (the index is the thread's row and column, whose layout parts are
-  compile-time constants), served by the SM's L1: a 64 x 128 tile spans 191
-  values. Same-run ratios to ALiBi's forward time on an H200 (causal, B4
-  H16 S4096 d128), the relative-position table read from a bank of dense
-  tiles (as much L2 traffic as K and V): 1.51; gathered at a tile of
-  computed positions: 1.33; here: 1.03."""
+
+def diagonal_tile(pairs, shape, rows_are_queries: bool):
+  """The `shape` tile of a diagonal term from the `rows + cols - 1` entries
+  of its vector that the tile spans, as neighbour pairs (a `[n, 2]` ref of
+  tiles.term_pairs): entry `cols - 1 + i - j` at (i, j) for `[q, kv]` tiles,
+  `rows - 1 - i + j` for `[kv, q]`.
+
+  A thread's two column neighbours are neighbouring entries, so each pair
+  is one aligned 8-byte load; positions 8 rows apart share entries, so each
+  distinct pair is loaded once: 9 loads for a thread's 32 positions of a
+  64 x 64 tile, at constant offsets from one address (the static parts of
+  its row and column fold into the load), served by the SM's L1. Time
+  ratios to ALiBi on an H200 (causal, B4 H16 S4096 d128), forward+backward:
+  a load per position 1.35 (ptxas: 656 bytes of spill stores in the dk/dv
+  kernel), one per distinct position 1.13 (332; same run), one per distinct
+  pair 1.07 (196; bench_parity rounds). Forward: a bank of dense tiles 1.51,
+  a gather at computed positions 1.33, a load per position 1.03 (same run),
+  pairs 1.10 (bench_parity rounds)."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, memref
-  from jax.experimental.mosaic import gpu as mgpu
+  from jax._src.lib.mlir.dialects import arith, vector
 
   rows, cols = shape
+  parts = _pair_parts(shape, rows_are_queries)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                     return_type=plgpu.ShapeDtypeStruct(shape, vector.dtype,
+                     return_type=plgpu.ShapeDtypeStruct(shape, pairs.dtype,
                                                         layout=plgpu.Layout.WGMMA))
-  def load(ctx, values):
+  def load(ctx, window):
     del ctx
     index = ir.IndexType.get()
+    dtype = ir.MemRefType(window.type).element_type
+    pair_type = ir.VectorType.get((2,), dtype)
+    loaded, visits = {}, iter(parts)
 
     def at(_, position):
-      i, j = position
-      if rows_are_queries:
-        offset = arith.subi(arith.addi(i, arith.constant(index, cols - 1)), j)
-      else:
-        offset = arith.subi(arith.addi(j, arith.constant(index, rows - 1)), i)
-      return memref.load(values, [offset])
+      first, place = next(visits)
+      if first not in loaded:
+        i, j = position
+        if rows_are_queries:
+          offset = arith.subi(arith.addi(i, arith.constant(index, cols - 1 - place)), j)
+        else:
+          offset = arith.subi(arith.addi(j, arith.constant(index, rows - 1 - place)), i)
+        loaded[first] = vector.load(pair_type, window, [offset, arith.constant(index, 0)],
+                                    alignment=8)
+      return vector.extract(loaded[first], dynamic_position=[],
+                            static_position=ir.DenseI64ArrayAttr.get([place]))
 
-    dtype = ir.MemRefType(values.type).element_type
     tile = mgpu.FragmentedArray.splat(arith.constant(dtype, 0.0), shape,
                                       layout=mgpu.WGMMA_LAYOUT)
     return tile.foreach(at, create_array=True)
 
-  return load(vector)
+  return load(pairs)
 
 
 def supported_capture_axes(axes, fixed_axis: str = "q") -> bool:

@@ -8,8 +8,9 @@
   and read at the tile's computed (clamped) positions. A hoisted diagonal
   term (spec/diagonal.py) is evaluated once per call as a vector per head
   over `q - kv`: the Triton templates load its `[q, kv]` tiles densely from
-  a diagonal bank (`diagonal_bank`), the Mosaic GPU ones read the vector
-  (`CaptureOperand.vector_window`, mosaic_backend.diagonal_tile).
+  a diagonal bank (`diagonal_bank`), the Mosaic GPU ones read the vector's
+  neighbour pairs (`term_pairs`, `CaptureOperand.vector_window`,
+  mosaic_backend.diagonal_tile).
 * `TileContext`: evaluates score_mod and mask_mod on a `[block_q, block_k]`
   tile with the in-kernel interpreter; the backward evaluates score_mod on
   capture values it passes in, so that it can differentiate with respect to
@@ -51,8 +52,9 @@ class CaptureOperand:
   is_bool: bool
   gather_dims: tuple = ()  # sizes of the array axes flattened into the GATHERED axis
   diagonals: tuple = ()  # a term's (seq_q_pad, seq_kv_pad)
-  # a term passed as its vector `[Hv, seq_q + seq_kv - 1]` (index q - kv +
-  # seq_kv - 1) instead of its bank (`vector_window`)
+  # a term passed as its vector's pairs `[Hv, seq_q + seq_kv - 1, 2]` (entry
+  # q - kv + seq_kv - 1 and the next; `term_pairs`) instead of its bank
+  # (`vector_window`)
   vector: bool = False
 
   @property
@@ -109,8 +111,9 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
   (score_mod's, mask_mod's captured arrays) replaces the traced ones, e.g.
   with the differentiable arguments of a custom_vjp. A term is evaluated
   here, for `heads` query heads, as its bank for tiles of at most
-  `bank_width` keys (the kernel's block_k), or without one as its vector
-  (the Mosaic GPU kernels read tiles from it, mosaic_backend.diagonal_tile).
+  `bank_width` keys (the kernel's block_k), or without one as its vector's
+  pairs (`term_pairs`; the Mosaic GPU kernels read tiles from them,
+  mosaic_backend.diagonal_tile).
   """
   if consts is None:
     consts = tuple(() if prog is None else prog.traced.consts
@@ -124,7 +127,7 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
         vector = diagonal.term_vector(prog.traced.jaxpr, prog_consts, prog.inputs,
                                       prog.terms[use.term], heads, seq_q_pad, seq_kv_pad)
         if bank_width is None:
-          arrays.append(vector)
+          arrays.append(term_pairs(vector))
           operands.append(CaptureOperand(use.axes, False, diagonals=(seq_q_pad, seq_kv_pad),
                                          vector=True))
         else:
@@ -246,11 +249,19 @@ def load_capture(ref, operand: CaptureOperand, *, blocked: str, start, size, hea
 def term_bytes(analysis: VariantAnalysis, heads: int, seq_q_pad: int, seq_kv_pad: int,
                bank_width: int | None = None) -> int:
   """Bytes of the terms' arrays `capture_operands` passes for one pass:
-  their banks `bank_width` wide, or without one their vectors."""
+  their banks `bank_width` wide, or without one their vectors' pairs."""
   terms = () if analysis.score_mod is None else analysis.score_mod.terms
-  per_head = (seq_q_pad + seq_kv_pad - 1 if bank_width is None
+  per_head = (2 * (seq_q_pad + seq_kv_pad - 1) if bank_width is None
               else (seq_q_pad + seq_kv_pad) * bank_width)
   return sum((heads if t.per_head else 1) * per_head * 4 for t in terms)
+
+
+def term_pairs(vector):
+  """A term's vector `[Hv, n]` as `[Hv, n, 2]`: each entry beside the next
+  (the last beside itself), so that any two neighbours are one aligned
+  8-byte load (mosaic_backend.diagonal_tile)."""
+  following = jnp.concatenate([vector[:, 1:], vector[:, -1:]], axis=1)
+  return jnp.stack([vector, following], axis=-1)
 
 
 def diagonal_bank(vector, seq_q: int, seq_kv: int, width: int):
