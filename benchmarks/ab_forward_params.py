@@ -1,0 +1,77 @@
+"""A/B of the Mosaic forward's compiler parameters against cuDNN (issue 15).
+
+`python benchmarks/ab_forward_params.py --out DIR`: vanilla B4 H16 S4096
+d128 bf16 forward kernel time (CUPTI) with the default parameters and with
+each alternative in SETTINGS, beside cuDNN, in alternating rounds; outputs
+compared bitwise with the default's. Writes DIR/ab_forward_params.json;
+prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_attn as pa  # noqa: E402
+from bench_forward import environment  # noqa: E402
+from kernel_time import kernel_time_ms  # noqa: E402
+from pallas_attn.kernels import mosaic_backend as mb  # noqa: E402
+
+DEFAULT = mb.compiler_params
+SETTINGS = {  # name: extra plgpu.CompilerParams fields
+    "default": {},
+    "no_auto_barriers": dict(unsafe_no_auto_barriers=True),
+}
+
+
+def build(name, q, k, v):
+  if name == "cudnn":
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+  else:
+    extra = SETTINGS[name]
+    mb.compiler_params = lambda fast_math: mb.plgpu.CompilerParams(approx_math=fast_math, **extra)
+    pa.api._attention.clear_cache()
+    jax.clear_caches()
+    fn = jax.jit(lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu"))
+    fn = fn.lower(q, k, v).compile()  # built now, under this setting
+    mb.compiler_params = DEFAULT
+  return lambda: fn(q, k, v)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default="/tmp/out")
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k, v = (jax.random.normal(kk, (4, 4096, 16, 128), jnp.bfloat16) for kk in keys)
+  names = list(SETTINGS) + ["cudnn"]
+  calls = {n: build(n, q, k, v) for n in names}
+  base = np.asarray(calls["default"](), np.float32)
+  results = {"environment": environment(), "equal_to_default": {}, "runs": []}
+  for n in SETTINGS:
+    results["equal_to_default"][n] = bool(np.array_equal(np.asarray(calls[n](), np.float32), base))
+  for r in range(args.rounds):
+    for n in names:
+      ms, _ = kernel_time_ms(calls[n])
+      results["runs"].append(dict(round=r, setting=n, ms=ms))
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "ab_forward_params.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print("equal to default:", results["equal_to_default"])
+  for n in SETTINGS:
+    ratios = [c["ms"] / o["ms"] for c, o in zip(
+        [x for x in results["runs"] if x["setting"] == "cudnn"],
+        [x for x in results["runs"] if x["setting"] == n])]
+    print(f"{n:18s} ms {statistics.median(x['ms'] for x in results['runs'] if x['setting'] == n):.4f}"
+          f"  speed / cuDNN {statistics.median(ratios):.4f} [{min(ratios):.4f}-{max(ratios):.4f}]")
+
+
+if __name__ == "__main__":
+  main()
