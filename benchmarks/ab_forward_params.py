@@ -1,8 +1,9 @@
-"""A/B of the Mosaic forward's compiler parameters against cuDNN (issue 15).
+"""A/B of how the Mosaic forward is compiled, beside cuDNN (issue 15).
 
 `python benchmarks/ab_forward_params.py --out DIR`: vanilla B4 H16 S4096
-d128 bf16 forward kernel time (CUPTI) with the default parameters and with
-each alternative in SETTINGS, beside cuDNN, in alternating rounds; outputs
+d128 bf16 forward kernel time (CUPTI) as built by default and with each
+alternative in SETTINGS (compiler parameters, the programs' final wait on
+their TMA stores), beside cuDNN, in alternating rounds; outputs
 compared bitwise with the default's. Writes DIR/ab_forward_params.json;
 prints a table last.
 """
@@ -23,24 +24,29 @@ from bench_forward import environment  # noqa: E402
 from kernel_time import kernel_time_ms  # noqa: E402
 from pallas_attn.kernels import mosaic_backend as mb  # noqa: E402
 
-DEFAULT = mb.compiler_params
-SETTINGS = {  # name: extra plgpu.CompilerParams fields
-    "default": {},
-    "no_auto_barriers": dict(unsafe_no_auto_barriers=True),
+DEFAULT_PARAMS, DEFAULT_WAIT = mb.compiler_params, mb.plgpu.wait_smem_to_gmem
+SETTINGS = {  # name: (extra plgpu.CompilerParams fields, programs end on a read-only TMA wait)
+    "default": ({}, False),
+    "no_auto_barriers": (dict(unsafe_no_auto_barriers=True), False),
+    "read_only_wait": ({}, True),
 }
 
 
 def build(name, q, k, v):
   if name == "cudnn":
     fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
-  else:
-    extra = SETTINGS[name]
-    mb.compiler_params = lambda fast_math: mb.plgpu.CompilerParams(approx_math=fast_math, **extra)
+    return lambda: fn(q, k, v)
+  extra, read_only = SETTINGS[name]
+  mb.compiler_params = lambda fast_math: mb.plgpu.CompilerParams(approx_math=fast_math, **extra)
+  if read_only:
+    mb.plgpu.wait_smem_to_gmem = lambda n: DEFAULT_WAIT(n, wait_read_only=True)
+  try:
     pa.api._attention.clear_cache()
     jax.clear_caches()
     fn = jax.jit(lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu"))
     fn = fn.lower(q, k, v).compile()  # built now, under this setting
-    mb.compiler_params = DEFAULT
+  finally:
+    mb.compiler_params, mb.plgpu.wait_smem_to_gmem = DEFAULT_PARAMS, DEFAULT_WAIT
   return lambda: fn(q, k, v)
 
 
@@ -48,14 +54,16 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default="/tmp/out")
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--settings", default=",".join(SETTINGS))
   args = parser.parse_args()
+  settings = ["default"] + [n for n in args.settings.split(",") if n != "default"]
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(kk, (4, 4096, 16, 128), jnp.bfloat16) for kk in keys)
-  names = list(SETTINGS) + ["cudnn"]
+  names = settings + ["cudnn"]
   calls = {n: build(n, q, k, v) for n in names}
   base = np.asarray(calls["default"](), np.float32)
   results = {"environment": environment(), "equal_to_default": {}, "runs": []}
-  for n in SETTINGS:
+  for n in settings:
     results["equal_to_default"][n] = bool(np.array_equal(np.asarray(calls[n](), np.float32), base))
   for r in range(args.rounds):
     for n in names:
@@ -65,7 +73,7 @@ def main():
   with open(os.path.join(args.out, "ab_forward_params.json"), "w") as f:
     json.dump(results, f, indent=1)
   print("equal to default:", results["equal_to_default"])
-  for n in SETTINGS:
+  for n in settings:
     ratios = [c["ms"] / o["ms"] for c, o in zip(
         [x for x in results["runs"] if x["setting"] == "cudnn"],
         [x for x in results["runs"] if x["setting"] == n])]
