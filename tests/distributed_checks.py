@@ -76,9 +76,10 @@ def float_collectives(hlo: str) -> list:
 def check_batch_head_sharding(config, interpret, mesh_shape):
   """attention under jit on q/k/v sharded over batch and heads: outputs and
   gradients (of q, k, v, a per-head captured array and sinks) as on one
-  device, with global b/h in score_mod / mask_mod and no float all-gather
-  in the compiled forward or backward; under vmap (which
-  custom_partitioning cannot batch) gradients from unpartitioned passes."""
+  device, with global b/h in score_mod / mask_mod (also in the index of a
+  replicated array's gather) and no float all-gather in the compiled
+  forward or backward; under vmap (which custom_partitioning cannot batch)
+  gradients from unpartitioned passes."""
   mesh = jax.make_mesh(mesh_shape, ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   batch, seq, heads, kv_heads = 2 * mesh_shape[0], 24, 2 * mesh_shape[1], mesh_shape[1]
@@ -87,10 +88,12 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
                     jnp.int32)
   slopes = jnp.linspace(0.1, 0.5, heads)
   sinks = jnp.linspace(-1.0, 1.0, heads)
+  neighbours = jnp.linspace(-0.5, 0.5, heads)  # replicated, gathered at a computed head
 
   def variant(slopes, ids):
     def score_mod(s, b, h, q_idx, kv_idx):  # b and h as values, slopes read at h
-      return s + slopes[h] * (kv_idx - q_idx) * 0.1 + 0.05 * h - 0.03 * b
+      return (s + slopes[h] * (kv_idx - q_idx) * 0.1 + 0.05 * h - 0.03 * b
+              + 0.2 * neighbours[(h + 1) % heads])
     def mask_mod(b, h, q_idx, kv_idx):  # ids read at b; head 1 is not causal
       return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx >= kv_idx) | (h % 2 == 1))
     return dict(score_mod=score_mod, mask_mod=mask_mod)

@@ -39,20 +39,25 @@ def uses_index_value(prog: ElementwiseProgram | None, name: str) -> bool:
 
 def _shifted(prog: ElementwiseProgram, offsets: dict) -> tuple:
   """(`prog` with each index of `offsets` shifted by a new scalar capture,
-  the captures' values in order). `offsets`: index name -> int32 scalar."""
+  the captures' values in order). `offsets`: index name -> int32 scalar.
+
+  The offsets' uses come first: kernels load uses in order, and a gather's
+  index expression may need the global index before its read."""
   jaxpr = prog.traced.jaxpr
   invars, prefix, constvars = list(jaxpr.invars), [], []
-  uses, loads = list(prog.uses), list(prog.loads)
+  first = len(offsets)
+  uses = [None] * first + list(prog.uses)
+  loads = [(var, use + first) for var, use in prog.loads]
   consts = list(prog.traced.consts)
-  for name, offset in offsets.items():
+  for n, (name, offset) in enumerate(offsets.items()):
     add = jax.make_jaxpr(lambda i, off: i + off)(_INDEX, _INDEX).jaxpr
     local, offset_var = add.invars
     position = prog.inputs.index(name)
     prefix.append(add.eqns[0].replace(outvars=[invars[position]]))
     invars[position] = local
     constvars.append(offset_var)
-    loads.append((offset_var, len(uses)))
-    uses.append(CaptureUse(len(consts), ()))
+    loads.append((offset_var, n))
+    uses[n] = CaptureUse(len(consts), ())
     consts.append(offset)
   new_jaxpr = jaxpr.replace(invars=invars, constvars=list(jaxpr.constvars) + constvars,
                             eqns=prefix + list(jaxpr.eqns))
