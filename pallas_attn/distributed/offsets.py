@@ -45,20 +45,20 @@ def _shifted(prog: ElementwiseProgram, offsets: dict) -> tuple:
   index expression may need the global index before its read."""
   jaxpr = prog.traced.jaxpr
   invars, prefix, constvars = list(jaxpr.invars), [], []
-  first = len(offsets)
-  uses = [None] * first + list(prog.uses)
-  loads = [(var, use + first) for var, use in prog.loads]
+  offset_uses = []
+  loads = [(var, use + len(offsets)) for var, use in prog.loads]
   consts = list(prog.traced.consts)
-  for n, (name, offset) in enumerate(offsets.items()):
+  for name, offset in offsets.items():
     add = jax.make_jaxpr(lambda i, off: i + off)(_INDEX, _INDEX).jaxpr
     local, offset_var = add.invars
     position = prog.inputs.index(name)
     prefix.append(add.eqns[0].replace(outvars=[invars[position]]))
     invars[position] = local
     constvars.append(offset_var)
-    loads.append((offset_var, n))
-    uses[n] = CaptureUse(len(consts), ())
+    loads.append((offset_var, len(offset_uses)))
+    offset_uses.append(CaptureUse(len(consts), ()))
     consts.append(offset)
+  uses = offset_uses + list(prog.uses)
   new_jaxpr = jaxpr.replace(invars=invars, constvars=list(jaxpr.constvars) + constvars,
                             eqns=prefix + list(jaxpr.eqns))
   traced = dataclasses.replace(prog.traced, jaxpr=new_jaxpr, consts=tuple(consts))
