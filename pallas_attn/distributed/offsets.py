@@ -59,8 +59,11 @@ def _shifted(prog: ElementwiseProgram, offsets: dict) -> tuple:
     offset_uses.append(CaptureUse(len(consts), ()))
     consts.append(offset)
   uses = offset_uses + list(prog.uses)
-  new_jaxpr = jaxpr.replace(invars=invars, constvars=list(jaxpr.constvars) + constvars,
-                            eqns=prefix + list(jaxpr.eqns))
+  fields = {"invars": invars, "constvars": list(jaxpr.constvars) + constvars,
+            "eqns": prefix + list(jaxpr.eqns)}
+  if hasattr(jaxpr, "consts"):  # JAX 0.11: a jaxpr replaced without consts
+    fields["consts"] = tuple(consts)  # turns its constvars into invars
+  new_jaxpr = jaxpr.replace(**fields)
   traced = dataclasses.replace(prog.traced, jaxpr=new_jaxpr, consts=tuple(consts))
   program = dataclasses.replace(prog, traced=traced, uses=tuple(uses), loads=tuple(loads),
                                 skip=frozenset(n + len(prefix) for n in prog.skip))
