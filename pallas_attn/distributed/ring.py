@@ -159,22 +159,28 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   merged in float32."""
   place = _place(ring, q)
   batch, seq_q, heads, _ = q.shape
-  empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), jnp.float32),
+  empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), q.dtype),
            jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32))
   kind = ring.analysis.rownorm.kind
 
   def attend(step, block, acc):
+    """Step `step`'s (output, row statistic) folded into `acc` (None: alone)."""
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
     part = _when(live, lambda: api._attention(q, *block[:2], step_consts, block_masks, None,
                                               call=call),
-                 lambda: (empty[0].astype(q.dtype), empty[1]))
-    return _merge(kind, acc, part)
+                 lambda: empty)
+    return part if acc is None else _merge(kind, acc, part)
 
   def body(step, carry):  # the last step's transfer is not needed, but keeps one loop body
     block, acc = carry
     return _pass_on(ring, place, block), attend(step, block, acc)
 
-  _, (out, lse) = lax.fori_loop(0, place.num, body, ((k, v, kv_ids), empty))
+  # Step 0 (this device's own keys) runs before the loop: the loop then carries
+  # the received blocks, not a copy of k and v, and starts from step 0's output.
+  own = (k, v, kv_ids)
+  received = _pass_on(ring, place, own)
+  out, lse = attend(0, own, None)
+  _, (out, lse) = lax.fori_loop(1, place.num, body, (received, (out.astype(jnp.float32), lse)))
   return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
 
 
@@ -198,15 +204,18 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
 
   def visit(step, carry):
     """Step `step`: the accumulator of the block held now arrives from the
-    previous device (zeros at step 0), this device's part is added to it."""
+    previous device, this device's part is added to it."""
     block, dq, acc = carry
     next_block, acc = _pass_on(ring, place, (block, acc))
     g_q, g_k, g_v = gradients(step, block)
     return next_block, dq + g_q, (acc[0] + g_k, acc[1] + g_v)
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  _, dq, acc = lax.fori_loop(0, place.num, visit,
-                             ((k, v, kv_ids), zeros(q), (zeros(k), zeros(v))))
+  # Step 0 (this device's own keys, whose accumulator starts here) runs before
+  # the loop: no copy of k and v in the loop's carry, no zeros sent around.
+  own = (k, v, kv_ids)
+  received = _pass_on(ring, place, own)
+  dq, dk, dv = gradients(0, own)
+  _, dq, acc = lax.fori_loop(1, place.num, visit, (received, dq, (dk, dv)))
   dk, dv = _pass_on(ring, place, acc)  # to the device the block started on
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
