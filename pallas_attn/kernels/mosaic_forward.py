@@ -7,9 +7,9 @@ K/V tiles by TMA into a ring of `num_stages` shared-memory slots, and
 `block_q / 64` consumer warpgroups of 64 query rows each run QK^T and PV
 with `wgmma`. On unmasked tiles a consumer issues tile j's QK^T and tile
 j-1's PV together and weighs tile j while the PV runs (_overlapped_loop),
-the two consumers taking turns to issue (_turns); masked tiles go one step
-at a time, the consumers ping-ponging on a shared barrier so that one's
-softmax overlaps the other's matrix products (fold_block).
+the two consumers issuing independently; masked tiles go one step at a
+time, the consumers ping-ponging on a shared barrier so that one's softmax
+overlaps the other's matrix products (fold_block).
 
 What is variant-specific comes from the same places as the Triton
 template's: score_mod and mask_mod run on `[64, block_k]` accumulator-layout
@@ -60,7 +60,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
   out_ref, lse_ref, q_smem, *rest = rest
   o_smem = q_smem if shared_qo else rest.pop(0)
   lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
-  schedule, turn = (schedule or (None, None))
+  schedule = schedule[0] if schedule else None
   dtype = q_ref.dtype
   bk, rows = plan.block_k, mb.WG_ROWS
   qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
@@ -165,7 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       acc, row_state = _overlapped_loop(
           full_num, full_at, weigh, online.rescale, row_state, q_tile=q_tile, k_smem=k_smem,
           v_smem=v_smem, barriers=(k_ready, v_ready, k_free, v_free), stages=stages, block_k=bk,
-          d_v=v_ref.shape[-1], turns=_turns(turn, wg), may_be_empty=plan.block_sparse)
+          d_v=v_ref.shape[-1], may_be_empty=plan.block_sparse)
       skip = full_num
     else:
       acc, skip = online.rows.zeros_tile(rows, v_ref.shape[-1]), 0
@@ -190,47 +190,31 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     mb.plgpu.wait_smem_to_gmem(0)
 
 
-def _turns(turn, wg):
-  """(wait for my turn, hand the turn over) of two consumers issuing their
-  matrix products in alternation, as FlashAttention-3 orders its warpgroups:
-  consumer `wg` waits on `turn[wg]` and arrives on the other's; the second
-  consumer gives the first its first turn. Softmaxes are not ordered, unlike
-  fold_block's shared barrier (same-run A/B on an H200, vanilla 16k forward:
-  654 without the overlap, 658 with it on the shared barrier, 697 here;
-  turns in fold_block instead lost, d 64 464 -> 385). No-ops with one
-  consumer."""
-  if turn is None:
-    return (lambda: None), (lambda: None)
-  pl.when(wg == 1)(functools.partial(mb.plgpu.barrier_arrive, turn.at[0]))
-  return (functools.partial(mb.plgpu.barrier_wait, turn.at[wg]),
-          functools.partial(mb.plgpu.barrier_arrive, turn.at[1 - wg]))
-
-
 def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_smem, v_smem,
-                     barriers, stages: int, block_k: int, d_v: int, turns, may_be_empty: bool):
+                     barriers, stages: int, block_k: int, d_v: int, may_be_empty: bool):
   """A consumer's walk over its first `count` kv visits (blocks
   `block_at(j)`, unmasked) with FlashAttention-3's intra-warpgroup overlap:
   step j issues QK^T of tile j and, behind it, tile j-1's PV, then weighs
   tile j (score_mod, softmax) while that PV runs. The accumulator stays in
   one wgmma register set across the walk; the first QK^T and the last PV
-  sit outside the loop. `turns` (see _turns) order the consumers' matrix
-  products. Returns (accumulator, row state).
+  sit outside the loop. The consumers issue their products without ordering
+  each other (FlashAttention-3's turn-taking, consumer wg waiting for the
+  other's issue before its own, made the loop 4-5% slower: Nsight Compute's
+  locked-clock kernel time on an H200, vanilla 4k 1.075 -> 1.030 ms, 16k
+  4.03 -> 3.84 ms without it). Returns (accumulator, row state).
 
   The walk is one branch of a cond when it may be empty: a cond around the
   first step or the last PV alone makes ptxas serialize every wgmma of the
   kernel (C7513: moves into wgmma registers inside a pipeline stage)."""
   k_ready, v_ready, k_free, v_free = barriers
-  my_turn, pass_turn = turns
   rows = q_tile.shape[0]
 
   def scores(slot, pending):
     def issue(s_ref):
-      my_turn()
       mb.plgpu.wgmma(s_ref, q_tile, mb.plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
       if pending is not None:
         o_ref, w_prev, prev = pending
         mb.plgpu.wgmma(o_ref, w_prev, v_smem.at[prev])
-      pass_turn()
       return mb.plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if pending is None else 1)
 
     s = pl.run_scoped(issue, mb.plgpu.ACC((rows, block_k), jnp.float32))
@@ -307,7 +291,6 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   ]
   if consumers == 2:
     scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))  # fold_block's ping-pong
-    scratch.append(mb.plgpu.Barrier(num_arrivals=1, num_barriers=2))  # _turns
   sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
   kernel = mb.kernel(
       functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,
