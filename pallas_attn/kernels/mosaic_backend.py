@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,9 @@ try:  # absent or broken on some JAX builds; `unavailable` says so
   _IMPORT_ERROR = None
 except Exception as e:  # pragma: no cover - depends on the installed JAX
   mgpu, plgpu, _IMPORT_ERROR = None, None, e
+
+_LOAD_TAKES_INDEX = plgpu is not None and (
+    inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
 
 MIN_COMPUTE_CAPABILITY = (9, 0)
 WG_ROWS = 64       # query rows per consumer warpgroup: the M of one wgmma
@@ -76,6 +80,14 @@ def kernel(body, *, name: str, **kwargs):
   named = functools.partial(body)
   named.__name__ = name
   return plgpu.kernel(named, **kwargs)
+
+
+def load_ref(ref, *, layout, optimized: bool = True):
+  """`plgpu.load` of a whole ref (index it with `.at[...]` first): JAX 0.10
+  requires a separate index argument, JAX 0.11 deprecates passing one."""
+  if _LOAD_TAKES_INDEX:
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
+  return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
 def compiler_params(fast_math: bool):
@@ -172,11 +184,11 @@ def capture_loader(b, h, fixed_axis: str, start, rows: int):
       x = ref[tuple(index)]
     elif len(seq_axes) == 1:
       tile_axis = 0 if seq_axes[0] == fixed_axis else 1
-      x = plgpu.load(ref, tuple(index), layout=plgpu.Layout.WGMMA.reduce(1 - tile_axis),
-                     optimized=False)
+      x = load_ref(ref.at[tuple(index)], layout=plgpu.Layout.WGMMA.reduce(1 - tile_axis),
+                   optimized=False)
       x = lax.broadcast_in_dim(x, shape, (tile_axis,))
     elif seq_axes[0] == fixed_axis:
-      x = plgpu.load(ref, tuple(index), layout=plgpu.Layout.WGMMA, optimized=False)
+      x = load_ref(ref.at[tuple(index)], layout=plgpu.Layout.WGMMA, optimized=False)
     else:
       raise NotImplementedError("a [kv, q]-ordered tile load (see supported_capture_axes)")
     return x != 0 if operand.is_bool else x
@@ -300,7 +312,7 @@ def products(pairs, shape):
   together on `shape` float32 accumulators and waited for once."""
   def issue(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
-      plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
+      plgpu.wgmma(acc_ref, a, b.T)
     return tuple(acc_ref[...] for acc_ref in acc_refs)
   acc = plgpu.ACC(shape, jnp.float32)
   return pl.run_scoped(issue, *(acc,) * len(pairs))

@@ -130,7 +130,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       slot = lax.rem(step, stages)
 
       def qk(acc_ref):
-        mb.plgpu.wgmma(acc_ref, q_tile, mb.plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        mb.plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
         schedule_barrier()
         return acc_ref[...]
 
@@ -211,7 +211,7 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
 
   def scores(slot, pending):
     def issue(s_ref):
-      mb.plgpu.wgmma(s_ref, q_tile, mb.plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+      mb.plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
       if pending is not None:
         o_ref, w_prev, prev = pending
         mb.plgpu.wgmma(o_ref, w_prev, v_smem.at[prev])

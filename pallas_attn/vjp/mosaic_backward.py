@@ -136,14 +136,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     rows = ()
     if row_refs:  # softmax: lse2 and delta = rowsum(dO * O) - d_stat
       row_layout = mb.plgpu.Layout.WGMMA.reduce(1)
-      lse2 = mb.plgpu.load(lse2_ref.at[b, h, q_rows], (), layout=row_layout, optimized=False)
+      lse2 = mb.load_ref(lse2_ref.at[b, h, q_rows], layout=row_layout, optimized=False)
       mb.plgpu.barrier_wait(o_ready.at[wg])
-      tile_of = lambda ref: mb.plgpu.load(ref, (), layout=mb.plgpu.Layout.WGMMA)
+      tile_of = lambda ref: mb.load_ref(ref, layout=mb.plgpu.Layout.WGMMA)
       delta = jnp.sum(tile_of(o_smem.at[wg]).astype(jnp.float32)
                       * tile_of(do_tile).astype(jnp.float32), axis=1)
       if d_stat_ref:
-        delta = delta - mb.plgpu.load(d_stat_ref[0].at[b, h, q_rows], (), layout=row_layout,
-                                      optimized=False)
+        delta = delta - mb.load_ref(d_stat_ref[0].at[b, h, q_rows], layout=row_layout,
+                                    optimized=False)
       rows = (lse2, delta)
       rows_smem.at[wg, 0][...] = lse2
       rows_smem.at[wg, 1][...] = delta
@@ -259,8 +259,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
         if rows_ref is not None:
           rows = tuple(
               lax.broadcast_in_dim(
-                  mb.plgpu.load(rows_smem.at[slot], (n,),
-                                layout=mb.plgpu.Layout.WGMMA.reduce(0)),
+                  mb.load_ref(rows_smem.at[slot, n], layout=mb.plgpu.Layout.WGMMA.reduce(0)),
                   (SUB, SUB), (1,))
               for n in range(plan.num_row_terms))
         q_idx = mb.tile_indices(q_start, (SUB, SUB), 1)
