@@ -11,7 +11,10 @@ forward+backward counts the backward as 2.5 forwards. Before timing, each of
 our rows is checked against the other lowering on the timed inputs.
 `--rounds N` times every side of a row N times in alternation: the table
 gives each side's median, the JSON each round's time and the per-round
-ratios of ours to cuDNN and Flex (median and range).
+ratios of ours to cuDNN and Flex (median and range). `--memory-seqs`
+instead compiles the forward and the gradient at those lengths (B1 H16
+d128) and records XLA's memory analysis (temporaries + outputs) of each
+side, to DIR/mosaic_memory.json.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_attn as pa  # noqa: E402
-from bench_forward import environment  # noqa: E402
+from bench_forward import environment, memory_bytes  # noqa: E402
 from kernel_time import kernel_time_ms  # noqa: E402
 from pallas_attn.kernels import lowering  # noqa: E402
 from pallas_attn.schedule.timing import median_time_ms  # noqa: E402
@@ -192,9 +195,12 @@ def main(argv=None):
   parser.add_argument("--budget-s", type=float, default=420.0)
   parser.add_argument("--no-flex", action="store_true")
   parser.add_argument("--rounds", type=int, default=1)
+  parser.add_argument("--memory-seqs", default="", help="e.g. 16384,65536")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   os.makedirs(args.out, exist_ok=True)
+  if args.memory_seqs:
+    return memory(args.out, [int(s) for s in args.memory_seqs.split(",")])
   results = {"environment": environment(), "rows": []}
   for name in args.rows.split(","):
     for mode in args.modes.split(","):
@@ -250,6 +256,35 @@ def main(argv=None):
         json.dump(results, f, indent=1)
       print(json.dumps(row), flush=True)
   print_table(results)
+
+
+def memory(out, seqs):
+  """Compiled bytes (temporaries + outputs) of the forward and the gradient
+  of ours (each lowering) and cuDNN, vanilla and causal: linear in S."""
+  results = {"environment": environment(), "memory": []}
+  for seq in seqs:
+    q = jax.ShapeDtypeStruct((1, seq, HEADS, 128), jnp.bfloat16)
+    for variant in ("vanilla", "causal"):
+      kw = ours_kwargs(variant, 1, seq)
+      attns = {impl: lambda q, k, v, impl=impl: pa.attention(q, k, v, implementation=impl, **kw)
+               for impl in ("mosaic_gpu", "triton")}
+      attns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", is_causal=variant == "causal")
+      row = {"seq": seq, "variant": variant, "bytes": {}, "errors": {}}
+      for side, attn in attns.items():
+        for mode, fn in (("fwd", attn), ("fwdbwd", loss_fn(attn))):
+          try:
+            row["bytes"][f"{side}_{mode}"] = memory_bytes(fn, q, q, q)
+          except Exception as e:
+            row["errors"][f"{side}_{mode}"] = f"{type(e).__name__}: {str(e)[:200]}"
+      results["memory"].append(row)
+      print(json.dumps(row), flush=True)
+  with open(os.path.join(out, "mosaic_memory.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print(results["environment"])
+  for row in results["memory"]:
+    print(f"S={row['seq']:6d} {row['variant']:8s} "
+          + " ".join(f"{k}={v / 2**20:.0f}MiB" for k, v in row["bytes"].items()))
 
 
 def round_ratios(samples):
