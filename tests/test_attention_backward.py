@@ -22,12 +22,12 @@ CAUSAL = lambda b, h, qi, ki: qi >= ki
 
 
 def loss_fns(cotangent, *, make_kwargs, fill=-jnp.inf, interpret=True, config=SMALL,
-             bwd_config=SMALL):
+             bwd_config=SMALL, implementation=None):
   """(ours, reference) as functions of (q, k, v, captures) -> scalar loss."""
 
   def ours(q, k, v, captures):
     out = pa.attention(q, k, v, config=config, bwd_config=bwd_config, interpret=interpret,
-                       **make_kwargs(captures))
+                       implementation=implementation, **make_kwargs(captures))
     return jnp.sum(out.astype(jnp.float32) * cotangent)
 
   def reference(q, k, v, captures):

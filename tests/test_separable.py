@@ -34,6 +34,9 @@ NOT_SEPARABLE = {
     "distance": lambda s, b, h, q, kv: s - SLOPES[h] * jnp.abs(kv - q).astype(jnp.float32),
     "bf16_rounded": lambda s, b, h, q, kv: s + (kv - q).astype(jnp.bfloat16).astype(jnp.float32),
     "index_free": lambda s, b, h, q, kv: s + SLOPES[h],
+    # The backward would take d/ds of `s + bias` (1) where the program's is 0.
+    "stopped_score": lambda s, b, h, q, kv: (jax.lax.stop_gradient(s)
+                                            + SLOPES[h] * (kv - q).astype(jnp.float32)),
     # Separable, but read by kv: the kernels evaluate vectors reading scalars only.
     "key_array": lambda s, b, h, q, kv: s + KEY_BIAS[kv] + q.astype(jnp.float32),
     "relative_table": lambda s, b, h, q, kv: s + jnp.ones((H, 79))[h, jnp.log1p(

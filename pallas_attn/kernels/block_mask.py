@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.schedule.config import clamp_block
-from pallas_attn.spec import blockeval
+from pallas_attn.spec import blockeval, primitives
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import eval_inlined, is_concrete, is_literal
 
@@ -149,8 +149,8 @@ class _Bool:
 
 
 _UNKNOWN = None
-_IDENTITIES = frozenset(["broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
-                         "copy_p", "stop_gradient"])
+# Masks are not differentiated: stop_gradient is an identity there too.
+_IDENTITIES = primitives.names(primitives.IDENTITY, primitives.NO_GRADIENT)
 
 
 def _flag(condition):

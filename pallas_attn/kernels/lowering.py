@@ -18,6 +18,7 @@ from pallas_attn.kernels import mosaic_backend
 from pallas_attn.kernels.online import OnlineRowNorm
 from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.spec import primitives
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.captures import ElementwiseProgram
 
@@ -57,7 +58,7 @@ def _program_obstacle(label: str, prog) -> str | None:
   eqns = prog.traced.jaxpr.eqns
   run = (prog.kernel_equations() if isinstance(prog, ElementwiseProgram)
          else range(len(eqns)))
-  used = sorted({eqns[n].primitive.name for n in run} - mosaic_backend.PRIMITIVES)
+  used = sorted(primitives.used_primitives(prog.traced.jaxpr, run) - primitives.MOSAIC_GPU)
   if used:
     return f"{label} uses {', '.join(used)}, which the Mosaic GPU lowering lacks"
   return None
@@ -117,14 +118,14 @@ def _traced_derivative_obstacle(analysis: VariantAnalysis) -> str | None:
   def weights(s):
     if prog is not None:  # as the kernel evaluates it: captured values (and terms) loaded
       loaded = {use: jnp.zeros(var.aval.shape, var.aval.dtype) for var, use in prog.loads}
-      s = prog.evaluate((s, 0, 0, 0, 0), loaded)
-    return online.weights(s)
+      s = prog.evaluate((s, 0, 0, 0, 0), loaded, differentiable=True)
+    return online.weights(s, differentiable=True)
 
   def gradient(s):
     return mosaic_backend.lowerable(lambda: jax.vjp(weights, s)[1](jnp.ones_like(weights(s))))
 
   jaxpr = jax.make_jaxpr(gradient)(jnp.float32(0.5))
-  used = sorted({eqn.primitive.name for eqn in jaxpr.jaxpr.eqns} - mosaic_backend.PRIMITIVES)
+  used = sorted({eqn.primitive.name for eqn in jaxpr.jaxpr.eqns} - primitives.MOSAIC_GPU)
   if used:
     return f"the tile gradients use {', '.join(used)}, which the Mosaic GPU lowering lacks"
   return None

@@ -37,16 +37,6 @@ MIN_COMPUTE_CAPABILITY = (9, 0)
 WG_ROWS = 64       # query rows per consumer warpgroup: the M of one wgmma
 SWIZZLE_BYTES = 128
 
-# Primitives of score_mod / mask_mod / rownorm programs that the Mosaic GPU
-# lowering handles on register arrays (checked against JAX 0.11.2's rules).
-PRIMITIVES = frozenset("""
-add sub mul div neg max min abs sign round rem integer_pow exp exp2 log tanh
-logistic sin cos rsqrt square erf atan2 select_n clamp eq ne lt le gt ge and or
-not xor convert_element_type stop_gradient copy copy_p shift_left
-shift_right_arithmetic shift_right_logical broadcast_in_dim reshape squeeze
-expand_dims reduce_sum reduce_max reduce_min dynamic_slice
-""".split())
-
 
 def _compute_capability(device) -> tuple[int, int] | None:
   text = str(getattr(device, "compute_capability", "") or "")

@@ -33,17 +33,21 @@ LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
 
-def run_row_program(prog, *values, fast_math=False):
+def run_row_program(prog, *values, fast_math=False, differentiable=False):
+  """A piece of the rownorm on row or tile values (`differentiable` as in
+  `blockeval.evaluate`)."""
   jaxpr = prog.traced.jaxpr
   out, = blockeval.evaluate(jaxpr, dict(zip(prog.inputs, values)), [prog.output],
-                            overrides=backend.fast_math_overrides(fast_math))
+                            overrides=backend.fast_math_overrides(fast_math),
+                            differentiable=differentiable)
   return out
 
 
-def run_tile_program(prog, s, fast_math=False):
+def run_tile_program(prog, s, fast_math=False, differentiable=False):
   """An elementwise piece of the rownorm on a score tile, at the tile's shape
   (also when it does not depend on the score)."""
-  return jnp.broadcast_to(run_row_program(prog, s, fast_math=fast_math), s.shape)
+  return jnp.broadcast_to(
+      run_row_program(prog, s, fast_math=fast_math, differentiable=differentiable), s.shape)
 
 
 def _keep(x, keep, fill):
@@ -100,9 +104,10 @@ class OnlineRowNorm:
     w = self.rownorm.weights
     return self.kind == "softmax" and w.output is w.inputs[0] and self.rownorm.logit_scale == 1.0
 
-  def weights(self, s):
-    """Per-position weight before row normalization (log2-domain logit for softmax)."""
-    x = run_tile_program(self.rownorm.weights, s, self.fast_math)
+  def weights(self, s, differentiable=False):
+    """Per-position weight before row normalization (log2-domain logit for
+    softmax); `differentiable` as in `blockeval.evaluate`."""
+    x = run_tile_program(self.rownorm.weights, s, self.fast_math, differentiable)
     if self.kind == "softmax":
       return x * (self.rownorm.logit_scale * LOG2E)
     return x

@@ -348,8 +348,9 @@ class TileContext:
              slice(None) if cols == ref.shape[-1] else pl.ds(0, cols))
     return ref[index if head is None or operand.axes[0] != "h" else (head, *index)]
 
-  def _evaluate(self, prog, inputs, captures):
-    return prog.evaluate(inputs, captures, backend.fast_math_overrides(self.fast_math))
+  def _evaluate(self, prog, inputs, captures, differentiable=False):
+    return prog.evaluate(inputs, captures, backend.fast_math_overrides(self.fast_math),
+                         differentiable)
 
   def score_captures(self, s, b, h, q_idx, kv_idx, refs, start, size) -> tuple:
     """(score_mod's captured values on the tile, one per use; each gather's
@@ -368,16 +369,16 @@ class TileContext:
     captures, _ = self._load_uses(prog, refs, 0, inputs, None, None)
     return self._evaluate(prog, inputs, captures)
 
-  def score_with(self, s, b, h, q_idx, kv_idx, captures):
+  def score_with(self, s, b, h, q_idx, kv_idx, captures, differentiable=False):
     """score_mod on the tile with the given captured values (a function of
-    `s` and `captures` that the backward differentiates; with `bias` set,
-    of `s` only)."""
+    `s` and `captures` that the backward differentiates, passing
+    `differentiable`; with `bias` set, of `s` only)."""
     prog = self.analysis.score_mod
     if prog is None:
       return s
     if self.bias is not None:
       return s + self.bias
-    out = self._evaluate(prog, (s, b, h, q_idx, kv_idx), captures)
+    out = self._evaluate(prog, (s, b, h, q_idx, kv_idx), captures, differentiable)
     return jnp.broadcast_to(out.astype(jnp.float32), s.shape)
 
   def score(self, s, b, h, q_idx, kv_idx, refs, start, size):

@@ -93,13 +93,14 @@ class ElementwiseProgram:
   def without_terms(self) -> ElementwiseProgram:
     return self if self.unhoisted is None else self.unhoisted
 
-  def evaluate(self, inputs, captures, overrides=None):
+  def evaluate(self, inputs, captures, overrides=None, differentiable: bool = False):
     """The program's output on (tile) values: `inputs` in `self.inputs`
-    order, `captures[u]` the value of use u (as the kernels load it)."""
+    order, `captures[u]` the value of use u (as the kernels load it);
+    `differentiable` as in `blockeval.evaluate`."""
     jaxpr = self.traced.jaxpr
     env = {var: captures[use_index] for var, use_index in self.loads}
     env.update(zip(jaxpr.invars, inputs))
-    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, self.skip, overrides)
+    out, = blockeval.evaluate(jaxpr, env, jaxpr.outvars, self.skip, overrides, differentiable)
     return out
 
   def kernel_equations(self) -> list:

@@ -30,9 +30,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_attn.spec.trace import (ELEMENTWISE_PRIMITIVES, REDUCTION_PRIMITIVES,
-                                    SHAPE_PRIMITIVES, TracedFn, VariantError,
-                                    is_literal, trace)
+from pallas_attn.spec import primitives
+from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, trace
+
+_REDUCTIONS = primitives.names(primitives.ROW_REDUCTION)
+_IDENTITIES = primitives.names(primitives.IDENTITY)
 
 # Distinct sizes so that shapes of traced values tell rows from keys.
 TRACE_ROWS, TRACE_KEYS = 3, 7
@@ -94,7 +96,7 @@ def _levels(jaxpr):
 
   for eqn in jaxpr.eqns:
     ins = [get(v) for v in eqn.invars]
-    if eqn.primitive.name in REDUCTION_PRIMITIVES:
+    if eqn.primitive.name in _REDUCTIONS:
       out = (False, True)
     else:
       out = (any(e for e, _ in ins), any(r for _, r in ins))
@@ -109,7 +111,7 @@ def _producers(jaxpr):
   def source(v):
     """The eqn producing `v`, looking through shape-only primitives."""
     eqn = None if is_literal(v) else prod.get(v)
-    while eqn is not None and eqn.primitive.name in SHAPE_PRIMITIVES | {"stop_gradient"}:
+    while eqn is not None and eqn.primitive.name in _IDENTITIES:
       v = eqn.invars[0]
       eqn = None if is_literal(v) else prod.get(v)
     return eqn, v
@@ -232,7 +234,7 @@ def _match_normalized(jaxpr, level, source, traced):
       return None
   stats, stat_vars = [], []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in REDUCTION_PRIMITIVES:
+    if eqn.primitive.name in _REDUCTIONS:
       if level(eqn.invars[0]) != (True, False):
         raise VariantError(
             f"rownorm '{traced.name}' reduces a value that already depends on "
@@ -256,10 +258,19 @@ def analyze_rownorm(rownorm) -> RowNorm:
     name, fn = getattr(rownorm, "__name__", "rownorm"), rownorm
   else:
     raise VariantError(f"rownorm must be a string or a callable, got {rownorm!r}")
-  allowed = ELEMENTWISE_PRIMITIVES | SHAPE_PRIMITIVES | REDUCTION_PRIMITIVES
+  allowed = primitives.names(primitives.ELEMENTWISE, primitives.IDENTITY,
+                             primitives.NO_GRADIENT, primitives.ROW_REDUCTION)
   traced = trace(fn, [jax.ShapeDtypeStruct((TRACE_ROWS, TRACE_KEYS), jnp.float32)],
                  name=f"rownorm '{name}'", allowed=allowed)
   jaxpr = traced.jaxpr
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "custom_rule"
+        and primitives.used_primitives(eqn.params["body"].jaxpr) & _REDUCTIONS):
+      raise VariantError(
+          f"rownorm '{name}' calls the {eqn.params['kind']} function '{eqn.params['name']}' "
+          "on whole rows: a rule over a row cannot be split into the per-block pieces a "
+          "kernel runs online. Keep row reductions outside custom_jvp / custom_vjp "
+          "functions (jax.nn.softmax is recognized as it is).")
   if traced.consts:
     raise VariantError(
         f"rownorm '{name}' closes over arrays; write constants as Python "
@@ -271,7 +282,7 @@ def analyze_rownorm(rownorm) -> RowNorm:
         f"shape; got {[v.aval for v in jaxpr.outvars]}")
   level, source = _levels(jaxpr), _producers(jaxpr)
   score = jaxpr.invars[0]
-  if not any(e.primitive.name in REDUCTION_PRIMITIVES for e in jaxpr.eqns):
+  if not any(e.primitive.name in _REDUCTIONS for e in jaxpr.eqns):
     return RowNorm("elementwise", name, RowProgram(traced, (score,), jaxpr.outvars[0]),
                    traced=traced)
   softmax = _match_softmax(jaxpr, level, source, _structure(jaxpr))

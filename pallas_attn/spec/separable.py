@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_attn.spec.trace import SHAPE_PRIMITIVES, is_literal
+from pallas_attn.spec import primitives
+from pallas_attn.spec.trace import is_literal
 
 CONST, Q, KV, SEPARABLE, SCORE_PLUS = "const", "q", "kv", "separable", "score+"
-_IDENTITIES = SHAPE_PRIMITIVES | {"copy", "copy_p", "stop_gradient"}
+# Not stop_gradient: `stop_gradient(score) + bias` is no `score + bias` to the backward.
+_IDENTITIES = primitives.names(primitives.IDENTITY)
 
 
 def _combine(forms) -> str:

@@ -281,8 +281,9 @@ def row_terms(rownorm: RowNorm, out, d_out, stat, row_stats, d_stat):
   stats = tuple(row_stats[:, :, n] for n in range(num_stats))
 
   def factor_and_divisor(*stats):
-    h = jnp.broadcast_to(run_row_program(rownorm.factor, *stats).astype(jnp.float32),
-                         stats[0].shape)
+    h = jnp.broadcast_to(
+        run_row_program(rownorm.factor, *stats, differentiable=True).astype(jnp.float32),
+        stats[0].shape)
     f = 1.0 / h if rownorm.combine == "div" else h
     return jnp.where(jnp.isfinite(f), f, 0.0), h
 

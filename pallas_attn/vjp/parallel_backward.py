@@ -197,9 +197,10 @@ def tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, kee
     values = list(captures)
     for use, x in zip(grad_uses, diff_captures):
       values[use] = x
-    score = tile.score_with(s, b, h, q_idx, kv_idx, tuple(values))
-    return (online.weights(score),
-            *(run_tile_program(st.operand, score, plan.fast_math) for st in rownorm.stats))
+    score = tile.score_with(s, b, h, q_idx, kv_idx, tuple(values), differentiable=True)
+    return (online.weights(score, differentiable=True),
+            *(run_tile_program(st.operand, score, plan.fast_math, differentiable=True)
+              for st in rownorm.stats))
 
   def differentiate():
     # Captures enter at full tile shape so that each position's cotangent
