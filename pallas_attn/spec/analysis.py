@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_attn.spec import captures as captures_lib
-from pallas_attn.spec import separable
+from pallas_attn.spec import primitives, separable
 from pallas_attn.spec.captures import GATHERED
 from pallas_attn.spec.rownorm import RowNorm, analyze_rownorm
-from pallas_attn.spec.trace import (ELEMENTWISE_PRIMITIVES, INDEX_PRIMITIVES,
-                                    SHAPE_PRIMITIVES, VariantError, trace)
+from pallas_attn.spec.trace import VariantError, trace
 
-_ELEMENTWISE_ALLOWED = ELEMENTWISE_PRIMITIVES | SHAPE_PRIMITIVES | INDEX_PRIMITIVES
+_ELEMENTWISE_ALLOWED = primitives.names(
+    primitives.ELEMENTWISE, primitives.IDENTITY, primitives.NO_GRADIENT, primitives.INDEX)
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 _SCORE = jax.ShapeDtypeStruct((), jnp.float32)
 _TERM_NOTE = ("a part that depends on the positions only through q_idx - kv_idx, computed "
@@ -72,6 +72,7 @@ class VariantAnalysis:
 
   def describe(self) -> str:
     lines = [f"rownorm: {self.rownorm.name} -> {self.rownorm.describe()}"]
+    lines += _custom_rules(self.rownorm.traced.jaxpr)
     for label, prog in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod)):
       if prog is None:
         lines.append(f"{label}: none")
@@ -85,6 +86,7 @@ class VariantAnalysis:
       if label == "score_mod" and self.separable_bias:
         lines.append("  separable bias score + R(q_idx) + C(kv_idx): the Mosaic GPU kernels "
                      "build it from a row vector and a column vector per tile")
+      lines += _custom_rules(prog.traced.jaxpr)
       for use in prog.uses:
         if use.is_term:
           lines.append(f"  hoists {use.describe(())}: {_TERM_NOTE}")
@@ -106,6 +108,13 @@ class VariantAnalysis:
                    + (f", broadcast over {'/'.join(broadcast)}" if broadcast else ""))
     lines.append(f"fingerprint: {self.fingerprint()}")
     return "\n".join(lines)
+
+
+def _custom_rules(jaxpr) -> list:
+  """explain's lines on the custom_jvp / custom_vjp functions a program calls."""
+  return [f"  calls the {eqn.params['kind']} function '{eqn.params['name']}': its body "
+          "forward, its rule in the backward" for eqn in jaxpr.eqns
+          if eqn.primitive.name == "custom_rule"]
 
 
 def _check_scalar_output(traced, dtype_kind: str, name: str):
