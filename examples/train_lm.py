@@ -5,6 +5,7 @@ layers, beside the same model on JAX's attention.
     python examples/train_lm.py --variant softcap --steps 300
     python examples/train_lm.py --framework equinox           # vanilla, Equinox
     python examples/train_lm.py --tiny                        # CPU, interpret mode, < 2 min
+    python examples/train_lm.py --check-steps 40              # attention gradients vs cuDNN
 
 Every model starts from the same weights (ours is built first; the peers
 load its state, which is Flax's layout) and sees the same batches. Peers:
@@ -16,6 +17,14 @@ On a GPU each model's training step is timed after the run (warmed up,
 back-to-back steps, `block_until_ready` at the end of each window) and
 reported as tokens/s. The loss curves go to `--out` (default
 benchmarks/results/) as JSON, and as a PNG when matplotlib is installed.
+
+Runs are reproducible: seeds are fixed (`--seed`) and XLA's deterministic
+GPU ops are on (`--no-deterministic` for its faster ones), so the same
+arguments give the same losses bit for bit. `--check-steps N` follows our
+model for N steps and compares, at each, the attention projections'
+gradients with each peer's at the same parameters: a divergence of the
+curves that these stay flat through comes from the trajectories, not from
+one step's attention.
 
 Variants (all causal): vanilla; alibi_window (ALiBi + a sliding window,
 no position embedding); softcap (Gemma-2-style logit cap 30); sigmoid
@@ -190,8 +199,8 @@ class FlaxLM(nnx.Module):
 
   def __call__(self, tokens):
     x = embed_tokens(tokens, self.embed.embedding[...], self.embed.dtype)
-    if self.positions is not None:
-      x = x + self.positions(jnp.arange(tokens.shape[1]))
+    if self.positions is not None:  # a slice: its gradient is a pad, not a scatter-add
+      x = x + self.positions.embedding[:tokens.shape[1]].astype(self.positions.dtype)
     for block in self.blocks:
       x = block(x)
     return self.head(self.norm(x)).astype(jnp.float32)
@@ -251,7 +260,7 @@ def equinox_models(name: str, cfg: Config, vocab: int) -> dict:
 
     def __call__(self, tokens):  # one sequence; vmapped over the batch
       x = (embed_tokens(tokens, self.embed.weight, self.embed.weight.dtype)
-           + jax.vmap(self.positions)(jnp.arange(tokens.shape[0])))
+           + self.positions.weight[:tokens.shape[0]])
       for block in self.blocks:
         x = block(x)
       return jax.vmap(lambda t: self.head(self.norm(t)))(x).astype(jnp.float32)
@@ -311,10 +320,21 @@ def batches(ids, cfg: Config, count: int, seed: int):
 STEP_WINDOW_MS = 1000.0
 
 
-def make_step(apply, optimizer):
+def loss_of(apply):
+  """Next-character cross-entropy of a model's `apply(params, tokens)`."""
   def loss_fn(params, batch):
     logits = apply(params, batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  return loss_fn
+
+
+def make_optimizer(cfg: Config):
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, cfg.steps // 10), cfg.steps)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
+
+
+def make_step(apply, optimizer):
+  loss_fn = loss_of(apply)
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -337,8 +357,7 @@ def progress(label: str, step: int, total: int, loss: float, started: float):
 
 
 def train(label, params, apply, cfg: Config, train_ids, val_ids, timed: bool):
-  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, cfg.steps // 10), cfg.steps)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
+  optimizer = make_optimizer(cfg)
   step, loss_fn = make_step(apply, optimizer)
   opt_state = optimizer.init(params)
   losses, started = [], time.perf_counter()
@@ -356,6 +375,54 @@ def train(label, params, apply, cfg: Config, train_ids, val_ids, timed: bool):
                         window_ms=STEP_WINDOW_MS)
     result.update(step_ms=ms, tokens_per_s=cfg.batch * cfg.seq_len / (ms / 1e3))
   return result
+
+
+ATTENTION_PROJECTIONS = ("query", "key", "value", "out")
+
+
+def check_steps(models: dict, cfg: Config, train_ids, steps: int) -> list:
+  """Our attention's gradients against each peer's at the same parameters.
+
+  Follows our model's training for `steps` steps; at each, every model's
+  gradient is taken at our parameters on the step's batch (the Flax peers
+  share our parameter layout), and each attention projection's gradient
+  matrix is compared: relative error against the peer's and cosine. A divergence
+  of the loss curves that these stay flat through comes from the runs'
+  trajectories (rounding amplified by training), not from a step's
+  attention gradient. Returns one record per step and peer.
+  """
+  params, apply = models["pallas_attn"]
+  grads_of = {label: jax.jit(jax.value_and_grad(loss_of(peer_apply)))
+              for label, (_, peer_apply) in models.items()}
+  optimizer = make_optimizer(cfg)
+  step, _ = make_step(apply, optimizer)
+  opt_state = optimizer.init(params)
+  records = []
+  for i, batch in enumerate(batches(train_ids, cfg, steps, cfg.seed), 1):
+    gradients = {label: grads_of[label](params, batch) for label in grads_of}
+    loss, ours = gradients.pop("pallas_attn")
+    for label, (peer_loss, theirs) in gradients.items():
+      layers = []
+      for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(ours)[0],
+                              jax.tree_util.tree_leaves(theirs)):
+        name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+        if ("attention" not in name or not name.endswith("kernel")
+            or not any(p in name for p in ATTENTION_PROJECTIONS)):
+          continue  # biases: the key bias's gradient is zero (softmax ignores it), all noise
+        g, h = (np.asarray(x, np.float64).ravel() for x in (g, h))
+        layers.append(dict(param=name,
+                           rel_err=float(np.linalg.norm(g - h) / max(np.linalg.norm(h), 1e-30)),
+                           cosine=float(g @ h / max(np.linalg.norm(g) * np.linalg.norm(h),
+                                                    1e-30))))
+      worst = max(layers, key=lambda layer: layer["rel_err"])
+      records.append(dict(step=i, peer=label, loss=float(loss), peer_loss=float(peer_loss),
+                          layers=layers))
+      print(f"check step {i:>3} vs {label}: loss {float(loss):.4f} (peer "
+            f"{float(peer_loss):.4f}); worst attention gradient {worst['param']}: relative "
+            f"error {worst['rel_err']:.2e}, cosine "
+            f"{min(layer['cosine'] for layer in layers):.6f}", flush=True)
+    params, opt_state, _ = step(params, opt_state, batch)
+  return records
 
 
 def device_slug() -> str:
@@ -405,7 +472,17 @@ def main(argv=None):
                       help="comma-separated from cudnn, xla (Flax); auto: cudnn and xla on a "
                            "GPU, xla elsewhere; none")
   parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+  parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                      help="XLA's deterministic GPU ops (default): with the fixed --seed, the "
+                           "same arguments give the same losses bit for bit (our kernels are "
+                           "deterministic anyway); --no-deterministic for XLA's faster ones")
+  parser.add_argument("--check-steps", type=int, default=0, metavar="N",
+                      help="instead of training each model: follow ours for N steps and "
+                           "compare, at each, the attention projections' gradients with each "
+                           "peer's at the same parameters (Flax)")
   args = parser.parse_args(argv)
+  if args.deterministic:
+    deterministic_xla()
 
   sizes = dict(TINY) if args.tiny else {}
   sizes.update({f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
@@ -427,6 +504,12 @@ def main(argv=None):
     models = flax_models(args.variant, cfg, vocab, fns)
   for peer, reason in skipped.items():
     print(f"{peer}: skipped, {reason}")
+  if args.check_steps:
+    if args.framework != "flax" or len(models) < 2:
+      raise SystemExit("--check-steps compares Flax models with a peer: --framework flax and "
+                       "--peers with one that runs the variant")
+    checks = check_steps(models, cfg, train_ids, args.check_steps)
+    return write_record(args, cfg, vocab, dict(check_steps=checks, skipped=skipped))
 
   results = {}
   for label, (params, apply) in models.items():
@@ -448,19 +531,38 @@ def main(argv=None):
   for name, ratio in ratios.items():
     print(f"{name}: {ratio:.3f}x tokens/s")
 
-  os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, f"train_lm_{args.framework}_{args.variant}_"
-                                f"{datetime.date.today().isoformat()}_{device_slug()}")
-  record = dict(framework=args.framework, variant=args.variant, config=dataclasses.asdict(cfg),
-                jax=jax.__version__, device=jax.devices()[0].device_kind, vocab=vocab,
-                results=results, ratios=ratios, skipped=skipped)
-  with open(stem + ".json", "w") as f:
-    json.dump(record, f, indent=1)
-  print(f"wrote {stem}.json")
+  record = write_record(args, cfg, vocab, dict(results=results, ratios=ratios,
+                                                skipped=skipped))
+  stem = record["path"].removesuffix(".json")
   if plot(results, f"{args.framework} {args.variant}, S={cfg.seq_len}, "
                    f"{device_slug()}", stem + ".png"):
     print(f"wrote {stem}.png")
   return record
+
+
+def deterministic_xla():
+  """Asks XLA for deterministic GPU ops (no atomics whose order varies, in
+  scatter-adds and reductions). Takes effect where no JAX backend has
+  started yet: run before the first device use."""
+  flag = "--xla_gpu_deterministic_ops=true"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if flag not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def write_record(args, cfg: Config, vocab: int, fields: dict) -> dict:
+  """Writes the run's JSON under --out; returns it (with its path)."""
+  os.makedirs(args.out, exist_ok=True)
+  kind = "check" if args.check_steps else "train"
+  path = os.path.join(args.out, f"{kind}_lm_{args.framework}_{args.variant}_"
+                                f"{datetime.date.today().isoformat()}_{device_slug()}.json")
+  record = dict(framework=args.framework, variant=args.variant, config=dataclasses.asdict(cfg),
+                jax=jax.__version__, device=jax.devices()[0].device_kind, vocab=vocab,
+                xla_flags=os.environ.get("XLA_FLAGS", ""), **fields)
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  print(f"wrote {path}")
+  return dict(record, path=path)
 
 
 if __name__ == "__main__":
