@@ -20,7 +20,8 @@ benchmarks/results/) as JSON, and as a PNG when matplotlib is installed.
 
 Runs are reproducible: seeds are fixed (`--seed`) and XLA's deterministic
 GPU ops are on (`--no-deterministic` for its faster ones), so the same
-arguments give the same losses bit for bit. `--check-steps N` follows our
+arguments give the same losses bit for bit (the cuDNN peer needs
+`--no-deterministic`, examples/README.md says why). `--check-steps N` follows our
 model for N steps and compares, at each, the attention projections'
 gradients with each peer's at the same parameters: a divergence of the
 curves that these stay flat through comes from the trajectories, not from
@@ -475,7 +476,8 @@ def main(argv=None):
   parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                       help="XLA's deterministic GPU ops (default): with the fixed --seed, the "
                            "same arguments give the same losses bit for bit (our kernels are "
-                           "deterministic anyway); --no-deterministic for XLA's faster ones")
+                           "deterministic anyway); --no-deterministic for XLA's faster ones, "
+                           "and for the cudnn peer, which fails under them")
   parser.add_argument("--check-steps", type=int, default=0, metavar="N",
                       help="instead of training each model: follow ours for N steps and "
                            "compare, at each, the attention projections' gradients with each "
@@ -500,6 +502,10 @@ def main(argv=None):
     peers = (["cudnn", "xla"] if on_gpu else ["xla"]) if args.peers == "auto" else (
         [] if args.peers == "none" else args.peers.split(","))
     fns = peer_attention_fns(args.variant, cfg, peers)
+    if args.deterministic and callable(fns.get("cudnn")):
+      fns["cudnn"] = ("cuDNN's attention fails under XLA's deterministic ops (jax 0.11.2: "
+                      "IndexError inside XLA); --no-deterministic runs it, its curve then "
+                      "varying run to run (examples/README.md)")
     skipped = {peer: fn for peer, fn in fns.items() if isinstance(fn, str)}
     models = flax_models(args.variant, cfg, vocab, fns)
   for peer, reason in skipped.items():
