@@ -498,7 +498,6 @@ def _call(**overrides):
     (dict(normalize=True, initial_state=jnp.zeros((B, H, DK, DV))),
      ValueError, "extra last column"),
     (dict(chunk_size=48), ValueError, "power of two"),
-    (dict(config=LinearAttentionConfig(block_v=8)), ValueError, "block_v"),
     (dict(config=dict(chunk_size=16)), TypeError, "LinearAttentionConfig"),
 ])
 def test_clear_errors(overrides, error, match):

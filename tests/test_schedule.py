@@ -1,6 +1,8 @@
 """Scheduling: device table, resource model and search space, timing, cache, tuner."""
+import dataclasses
 import json
 import os
+import re
 import threading
 import functools
 import types
@@ -16,7 +18,7 @@ from pallas_attn.schedule import cache as cache_lib
 from pallas_attn.schedule import device as device_lib
 from pallas_attn.schedule import search_space as space_lib
 from pallas_attn.schedule import timing, tuner
-from pallas_attn.schedule.config import AttentionConfig, LinearAttentionConfig
+from pallas_attn.schedule.config import AttentionConfig, DecodeConfig, LinearAttentionConfig
 
 H100 = device_lib.lookup_device("NVIDIA H100 80GB HBM3")
 ON_HOPPER = jax.default_backend() == "gpu" and mosaic_backend.unavailable() is None
@@ -71,6 +73,70 @@ def test_device_config_reads_core_count_and_rocm():
   assert device_lib.device_config(amd).vendor == "amd"
 
 
+# --- Configs ----------------------------------------------------------------------
+
+TILE = "a power of two >= 16"
+STAGES = "an integer in 1..8"
+TRITON_WARPS = "one of 1, 2, 4, 8, 16"
+
+
+@pytest.mark.parametrize("cls, field, value, allowed", [
+    (AttentionConfig, "block_q", 48, TILE),
+    (AttentionConfig, "block_q", 8, TILE),
+    (AttentionConfig, "block_k", 0, TILE),
+    (AttentionConfig, "block_k", 64.0, TILE),
+    (AttentionConfig, "num_warps", 6, "one of 1, 2, 4, 8, 12, 16"),
+    (AttentionConfig, "num_warps", 32, "one of 1, 2, 4, 8, 12, 16"),
+    (AttentionConfig, "num_stages", 0, STAGES),
+    (AttentionConfig, "num_stages", 9, STAGES),
+    (AttentionConfig, "num_stages", True, STAGES),
+    (LinearAttentionConfig, "chunk_size", 48, TILE),
+    (LinearAttentionConfig, "block_v", 8, TILE),
+    (LinearAttentionConfig, "num_warps", 12, TRITON_WARPS),
+    (LinearAttentionConfig, "num_stages", 0, STAGES),
+    (DecodeConfig, "block_k", 48, TILE),
+    (DecodeConfig, "num_splits", 0, "an integer >= 1"),
+    (DecodeConfig, "block_rows", 8, TILE),
+    (DecodeConfig, "num_warps", 12, TRITON_WARPS),
+    (DecodeConfig, "num_warps", None, TRITON_WARPS),
+    (DecodeConfig, "num_stages", 9, STAGES),
+])
+def test_configs_reject_bad_fields(cls, field, value, allowed):
+  """The error names the field, what it allows and the value given."""
+  message = f"{cls.__name__}.{field} must be {allowed}"
+  with pytest.raises(ValueError, match=re.escape(message) + f".*; got {re.escape(repr(value))}$"):
+    cls(**{field: value})
+  with pytest.raises(ValueError, match=re.escape(message)):
+    cls.from_dict({**cls().to_dict(), field: value})
+
+
+def test_configs_accept_the_allowed_values():
+  for warps in (1, 2, 4, 8, 12, 16):
+    assert AttentionConfig(num_warps=warps).num_warps == warps
+  for stages in range(1, 9):
+    assert LinearAttentionConfig(num_stages=stages).num_stages == stages
+  assert AttentionConfig(16, 256, 16, 8) == AttentionConfig.from_dict(
+      AttentionConfig(16, 256, 16, 8).to_dict())
+  assert LinearAttentionConfig(16, 16, 1, 1).chunk_size == 16
+  assert DecodeConfig() == DecodeConfig(None, None, None, 4, None)  # the schedule fills them
+  assert DecodeConfig(16, 1, 16, 1, 1).num_splits == 1
+
+
+@pytest.mark.parametrize("template", list(space_lib.TEMPLATES))
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "AMD Instinct MI300X", "cpu"])
+def test_default_configs_are_valid(template, kind):
+  """The heuristics construct valid configs for short, odd and long shapes
+  (construction would raise)."""
+  device = device_lib.lookup_device(kind)
+  for seq_q, seq_kv in ((1, 1), (1, 100000), (16, 4096), (65, 63), (5000, 300)):
+    for d_qk, d_v in ((8, 8), (40, 96), (128, 128), (192, 128), (256, 256)):
+      for dtype in ("bfloat16", "float32"):
+        problem = shape(seq_q=seq_q, seq_kv=seq_kv, heads=8, kv_heads=2, d_qk=d_qk, d_v=d_v,
+                        dtype=dtype)
+        for block_sparse in (False, True):
+          space_lib.default_config(template, problem, block_sparse=block_sparse, device=device)
+
+
 # --- Resource model and search space ---------------------------------------------
 
 
@@ -83,14 +149,19 @@ def test_resource_use_forward():
 @pytest.mark.parametrize("template, config, reason", [
     ("forward", AttentionConfig(64, 256, 4, 4), "smem 528 KiB > 227 KiB limit"),
     ("forward", AttentionConfig(128, 128, 4, 1), "fp32 accumulators 256 regs/thread > 255"),
-    ("forward", AttentionConfig(48, 64, 4, 1), "block_q 48 is not a power of two"),
-    ("forward", AttentionConfig(8, 64, 4, 1), "block_q 8 is not a multiple of the 16-wide"),
     ("forward", AttentionConfig(16, 16, 8, 1), "2 MMA tiles of 16x16 < 8 warps"),
+    ("forward", AttentionConfig(128, 64, 12, 2), "num_warps 12 is not a power of two"),
     ("backward", AttentionConfig(128, 128, 8, 4), "smem"),
     ("linear_forward", LinearAttentionConfig(64, 256, 4, 2), "block_v 256 > padded d_v 128"),
 ])
 def test_prune_reasons(template, config, reason):
   assert reason in space_lib.prune_reason(template, config, shape(), H100)
+
+
+def test_tiles_off_the_mma_tile_are_pruned():
+  wide_mma = dataclasses.replace(H100, mma_tile=(32, 8, 16))
+  assert "block_q 16 is not a multiple of the 32-wide MMA tile" in space_lib.prune_reason(
+      "forward", AttentionConfig(16, 64, 4, 1), shape(), wide_mma)
 
 
 def test_tiles_larger_than_padded_sequence_are_pruned():
@@ -322,6 +393,27 @@ def test_corrupt_cache_warns_and_misses(cache_path):
     assert _lookup() is None
   with pytest.raises(cache_lib.CacheFileError):
     cache_lib.get_cache().entries()
+
+
+def test_invalid_cache_entry_warns_and_misses(cache_path):
+  """An entry a config now rejects (stored before the rule) is a miss, not
+  an error in the user's call; the other entries still load."""
+  import pallas_attn as pa
+  fingerprint = pa.analyze_variant().fingerprint()
+  s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
+  key = _store(AttentionConfig(32, 16, 4, 2), fingerprint=fingerprint, s=s)
+  _store(AttentionConfig(16, 16, 4, 1), template="backward", fingerprint=fingerprint, s=s)
+  data = json.loads(cache_path.read_text())
+  data["entries"][key.to_string()]["config"]["block_q"] = 48
+  cache_path.write_text(json.dumps(data))
+  q, k, v = (jax.random.normal(jax.random.PRNGKey(i), x, jnp.float32)
+             for i, x in enumerate((s.q_shape, s.k_shape, s.v_shape)))
+  with pytest.warns(UserWarning, match="AttentionConfig.block_q must be a power of two.*48"):
+    out = pa.attention(q, k, v)
+  np.testing.assert_allclose(out, pa.attention_reference(q, k, v), rtol=1e-5, atol=1e-5)
+  assert _lookup(fingerprint=fingerprint, s=s) is None
+  assert _lookup(template="backward", fingerprint=fingerprint, s=s) == AttentionConfig(
+      16, 16, 4, 1)
 
 
 def test_merge_export_clear(tmp_path, cache_path):

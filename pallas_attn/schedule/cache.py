@@ -47,7 +47,7 @@ except ImportError:  # Not POSIX: atomic replace only.
 CACHE_ENV = "PALLAS_ATTN_CACHE"
 FORMAT_VERSION = 1
 _CACHES: dict[pathlib.Path, TuningCache] = {}
-_WARNED: set[pathlib.Path] = set()  # cache files already reported unreadable
+_WARNED: set = set()  # cache files (and entries) already reported unreadable
 
 
 class CacheFileError(ValueError):
@@ -261,7 +261,9 @@ def lookup_config(template: str, fingerprint: str, *, q_shape, k_shape, v_shape,
                   dtype) -> Config | None:
   """The cached config for this call on the current device, or None (never tunes).
 
-  An unreadable cache file is reported once as a warning and treated as empty.
+  An unreadable cache file, or an entry whose config its class now rejects
+  (stored before a rule was added), is reported once as a warning and
+  treated as a miss; re-tuning the shape replaces the entry.
   """
   shape = ProblemShape.from_shapes(q_shape, k_shape, v_shape, dtype)
   key = CacheKey.create(template, fingerprint, shape)
@@ -269,11 +271,22 @@ def lookup_config(template: str, fingerprint: str, *, q_shape, k_shape, v_shape,
   try:
     entry = cache.get(key)
   except CacheFileError as e:
-    if cache.path not in _WARNED:
-      _WARNED.add(cache.path)
-      warnings.warn(f"{e}; using heuristic configs", stacklevel=2)
+    _warn_once(cache.path, f"{e}; using heuristic configs")
     return None
-  return None if entry is None else config_class(template).from_dict(entry["config"])
+  if entry is None:
+    return None
+  try:
+    return config_class(template).from_dict(entry["config"])
+  except ValueError as e:
+    _warn_once((cache.path, key), f"tuning cache {cache.path}: ignoring the {template} entry "
+               f"for this shape: {e}; using heuristic configs")
+    return None
+
+
+def _warn_once(what, message: str) -> None:
+  if what not in _WARNED:
+    _WARNED.add(what)
+    warnings.warn(message, stacklevel=3)
 
 
 def store_config(template: str, fingerprint: str, config: Config, *, q_shape, k_shape,

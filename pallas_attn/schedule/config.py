@@ -1,7 +1,43 @@
-"""Tile configurations for the kernel templates and their default heuristic."""
+"""Tile configurations for the kernel templates and their default heuristic.
+
+Each config checks its fields on construction, so that a bad one fails there
+and never reaches a kernel: tiles are powers of two of at least 16 (Triton's
+tile shapes and dot operands; what Mosaic GPU takes beyond that is checked in
+kernels/lowering.py), counts positive, launch parameters within what the
+backends take.
+"""
 from __future__ import annotations
 
 import dataclasses
+import numbers
+
+MAX_STAGES = 8  # the deepest software pipeline / TMA ring the search spaces try
+
+# Rules for `check_value`: (test, what it allows).
+TILE = (lambda n: n >= 16 and n & (n - 1) == 0, "a power of two >= 16 (a tile dimension)")
+COUNT = (lambda n: n >= 1, "an integer >= 1")
+STAGES = (lambda n: 1 <= n <= MAX_STAGES, f"an integer in 1..{MAX_STAGES}")
+TRITON_WARPS = (lambda n: n in (1, 2, 4, 8, 16),
+                "one of 1, 2, 4, 8, 16 (Triton's warps: a power of two)")
+# Mosaic GPU programs run a warpgroup (4 warps) per 64-row consumer and one producer.
+ATTENTION_WARPS = (lambda n: n in (1, 2, 4, 8, 12, 16),
+                   "one of 1, 2, 4, 8, 12, 16 (a power of two for Triton; 8 or 12 for "
+                   "Mosaic GPU: its consumer warpgroups and the producer)")
+
+
+def check_value(name: str, value, rule) -> None:
+  """Raises a ValueError naming `name`, the `value` and what `rule` allows."""
+  test, allowed = rule
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not test(value):
+    raise ValueError(f"{name} must be {allowed}; got {value!r}")
+
+
+def _validate(config, *, unset_ok: bool = False, **rules) -> None:
+  """Checks a config's fields against their rules (None passes where `unset_ok`)."""
+  for name, rule in rules.items():
+    value = getattr(config, name)
+    if not (unset_ok and value is None):
+      check_value(f"{type(config).__name__}.{name}", value, rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +51,9 @@ class AttentionConfig:
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 3
+
+  def __post_init__(self):
+    _validate(self, block_q=TILE, block_k=TILE, num_warps=ATTENTION_WARPS, num_stages=STAGES)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -88,13 +127,15 @@ class LinearAttentionConfig:
   num_warps: int = 4
   num_stages: int = 2
 
+  def __post_init__(self):
+    _validate(self, chunk_size=TILE, block_v=TILE, num_warps=TRITON_WARPS, num_stages=STAGES)
+
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
   @classmethod
   def from_dict(cls, d: dict) -> "LinearAttentionConfig":
     return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +155,11 @@ class DecodeConfig:
   block_rows: int | None = None
   num_warps: int = 4
   num_stages: int | None = None
+
+  def __post_init__(self):
+    _validate(self, num_warps=TRITON_WARPS)
+    _validate(self, unset_ok=True, block_k=TILE, num_splits=COUNT, block_rows=TILE,
+              num_stages=STAGES)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

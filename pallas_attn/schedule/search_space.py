@@ -1,11 +1,12 @@
 """Search spaces of the kernel templates, pruned by a resource model before compiling.
 
-A template's space is the product of its tile and launch axes. Before the
-tuner compiles anything, each config is checked against the problem shape
-(power-of-two tiles, multiples of the tensor-core tile, no tile larger than
-the padded sequence) and against the device (shared memory of the pipelined
-tiles, fp32 accumulator registers per thread, threads per program). A pruned
-config keeps the reason, e.g. "smem 264 KiB > 227 KiB limit".
+A template's space is the product of its tile and launch axes (an axis value
+a config rejects, e.g. a tile that is no power of two, raises there). Before
+the tuner compiles anything, each config is checked against the problem shape
+(multiples of the tensor-core tile, no tile larger than the padded sequence)
+and against the device (shared memory of the pipelined tiles, fp32
+accumulator registers per thread, threads per program). A pruned config keeps
+the reason, e.g. "smem 264 KiB > 227 KiB limit".
 
 The resource model follows the Triton templates: head dims are padded to a
 power of two (at least 16); the forward pipelines K/V tiles (`num_stages`
@@ -217,8 +218,6 @@ def _kib(n: int) -> str:
 
 def _tile_reason(axis: str, value: int, multiple: int, bound: int | None,
                  bound_name: str) -> str | None:
-  if value < 1 or value & (value - 1):
-    return f"{axis} {value} is not a power of two"
   if value % multiple:
     return f"{axis} {value} is not a multiple of the {multiple}-wide MMA tile"
   if bound is not None and value > bound:
@@ -245,8 +244,6 @@ def _mosaic_prune_reason(template: str, config: AttentionConfig, shape: ProblemS
                            ("block_k", config.block_k, shape.seq_kv)):
     if value > max(64, next_power_of_2(seq)):
       return f"{axis} {value} > padded {'seq_q' if axis == 'block_q' else 'seq_kv'}"
-  if config.num_stages < 1:
-    return f"num_stages {config.num_stages} < 1"
   warps = mosaic_num_warps(template, config.block_q, config.block_k)
   if config.num_warps != warps:
     return f"num_warps {config.num_warps}: these tiles run {warps} (consumers and producer)"
@@ -303,11 +300,9 @@ def prune_reason(template: str, config: Config, shape: ProblemShape,
     reason = _tile_reason(*check)
     if reason:
       return reason
-  if config.num_stages < 1:
-    return f"num_stages {config.num_stages} < 1"
   warps = config.num_warps
-  if warps < 1 or warps & (warps - 1):
-    return f"num_warps {warps} is not a power of two"
+  if warps & (warps - 1):  # a Mosaic GPU warp count (AttentionConfig) on a Triton template
+    return f"num_warps {warps} is not a power of two (Triton)"
   if device.interpret:
     return None  # Interpret mode: no on-chip limits, launch parameters unused.
   if warps * device.warp_size > device.max_threads_per_block:

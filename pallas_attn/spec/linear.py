@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn.schedule.config import LinearAttentionConfig
+from pallas_attn.schedule.config import TILE, LinearAttentionConfig, check_value
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                     jnp.dtype(jnp.float16))
@@ -261,27 +261,12 @@ def check_linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t, q_mod,
   return spec
 
 
-def _is_power_of_2(n) -> bool:
-  return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
 def check_linear_config(chunk_size: int | None,
                         config: LinearAttentionConfig | None) -> None:
-  """Chunk and tile sizes must be powers of two >= 16 (Triton tiles)."""
+  """The config's type (it checked its fields on construction) and a
+  `chunk_size` override, held to the config's chunk_size rule."""
   if config is not None and not isinstance(config, LinearAttentionConfig):
     raise TypeError("config must be a pallas_attn.schedule.config."
                     f"LinearAttentionConfig, got {type(config).__name__}.")
-  sizes = {"chunk_size": chunk_size}
-  if config is not None:
-    sizes.update({"config.chunk_size": config.chunk_size,
-                  "config.block_v": config.block_v})
-  for name, size in sizes.items():
-    if size is not None and not (_is_power_of_2(size) and size >= 16):
-      raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile "
-                       f"dimension), got {size!r}.")
-  if config is not None:
-    for name in ("num_warps", "num_stages"):
-      if not (isinstance(getattr(config, name), int)
-              and getattr(config, name) >= 1):
-        raise ValueError(f"config.{name} must be a positive int, got "
-                         f"{getattr(config, name)!r}.")
+  if chunk_size is not None:
+    check_value("chunk_size", chunk_size, TILE)
