@@ -120,7 +120,14 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       Softmax rownorms only; a rownorm written with a constant sink term
       (`exp(K - m) + sum(exp(s - m))`) is recognized by itself.
     block_mask: a `BlockMask` from `pallas_attn.block_mask` for the same
-      mask_mod, reused across calls.
+      mask_mod, reused across calls. One built from another mask_mod
+      program (code, or captured arrays' shapes or dtypes) is rejected;
+      one built over other captured values (another batch's document
+      ids) too, where the mask's and the call's values are both concrete
+      (eager calls; arrays closed over under jit). Where the call's are
+      traced (ids passed as jit arguments, the usual training step), they
+      cannot be compared: build the mask from the same ids in the same
+      step (`pa.block_mask(mask_mod_of(ids), ...)`), not once for all batches.
     config: an `AttentionConfig`, "auto" or None (tuned cache entry if any,
       else a heuristic).
     bwd_config: the backward kernels' `AttentionConfig`, "auto" or None
@@ -257,14 +264,17 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
     return None
   bwd_blocks = (bwd_cfg.block_q, bwd_cfg.block_k)
   if block_mask is not None:
-    _check_block_mask(block_mask, batch, heads, seq_q, seq_kv)
-    return block_mask, _retiled(block_mask, *bwd_blocks)
-  mask = _mask_only(analysis)
-  consts = mask.mask_mod.traced.consts
-  shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
-  if all(map(is_concrete, consts)):
-    return block_mask_lib.compiled_builder(mask, *shape)(consts)
-  return block_mask_lib.build_block_masks(mask, *shape)
+    _check_block_mask(block_mask, analysis.mask_mod, batch, heads, seq_q, seq_kv)
+    masks = block_mask, _retiled(block_mask, *bwd_blocks)
+  else:
+    mask = _mask_only(analysis)
+    consts = mask.mask_mod.traced.consts
+    shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
+    masks = (block_mask_lib.compiled_builder(mask, *shape)(consts)
+             if all(map(is_concrete, consts)) else block_mask_lib.build_block_masks(mask, *shape))
+  # The kernels read the lists. Without the digest (checked), a passed mask
+  # and a built one are pytrees of one structure, of [Bm, Hm, ...] leaves.
+  return tuple(dataclasses.replace(m, digest=None) for m in masks)
 
 
 def _retiled(block_mask, block_q: int, block_k: int):
@@ -274,7 +284,10 @@ def _retiled(block_mask, block_q: int, block_k: int):
   return block_mask
 
 
-def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):
+def _check_block_mask(block_mask, mask_prog, batch, heads, seq_q, seq_kv):
+  """A passed block mask fits the call: its shapes, the mask_mod program it
+  was built from, and its captured values where both sides' are concrete
+  (under a trace whose arguments they are, they cannot be compared)."""
   if not isinstance(block_mask, block_mask_lib.BlockMask):
     raise TypeError(f"block_mask must come from pallas_attn.block_mask; got {type(block_mask)}")
   if (block_mask.seq_q, block_mask.seq_kv) != (seq_q, seq_kv):
@@ -284,6 +297,16 @@ def _check_block_mask(block_mask, batch, heads, seq_q, seq_kv):
   if bm_b not in (1, batch) or bm_h not in (1, heads):
     raise ValueError(f"block_mask has batch/head extents ({bm_b}, {bm_h}); expected 1 or "
                      f"({batch}, {heads})")
+  rebuild = ("rebuild it with pallas_attn.block_mask(mask_mod, B, H, Sq, Skv) for the "
+             "mask_mod you pass")
+  if block_mask.program != block_mask_lib.program_fingerprint(mask_prog):
+    raise ValueError("block_mask was built from a different mask_mod (its code, or the shapes "
+                     f"or dtypes of the arrays it captures, differ); {rebuild}")
+  consts = mask_prog.traced.consts
+  if (block_mask.digest is not None and all(map(is_concrete, (block_mask.digest, *consts)))
+      and not block_mask_lib.built_over(block_mask, consts)):
+    raise ValueError("block_mask was built from the same mask_mod code over other captured "
+                     f"values, e.g. another batch's document ids; {rebuild}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -88,6 +88,7 @@ def test_retiled_block_mask(name):
   assert got.shape == exact.shape
   assert np.all((got == bm_lib.FULL) <= (exact == bm_lib.FULL))
   assert np.all((got == bm_lib.EMPTY) <= (exact == bm_lib.EMPTY))
+  assert coarse.program == refined.program == fine.program and coarse.digest is fine.digest
   with pytest.raises(ValueError, match="re-tile"):
     fine.with_blocks(24, 16)
 
@@ -142,6 +143,51 @@ def test_block_mask_errors():
     pa.attention(q, k, v, mask_mod=MASKS["causal"], block_mask=np.ones((4, 4)))
 
 
+REBUILD = r"rebuild it with pallas_attn\.block_mask\(mask_mod, B, H, Sq, Skv\)"
+
+
+def test_block_mask_of_another_mask_mod_is_rejected():
+  """Issue 36: a causal call given an anti-causal block mask of the right shape."""
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  anti_causal = pa.block_mask(lambda b, h, qi, ki: qi <= ki, 1, 1, 45, 45, block_q=16,
+                              block_kv=16)
+  run = lambda q, bm: pa.attention(q, k, v, mask_mod=MASKS["causal"], block_mask=bm)
+  for call in (run, jax.jit(run)):  # the program is static: known under a trace too
+    with pytest.raises(ValueError, match="different mask_mod.*" + REBUILD):
+      call(q, anti_causal)
+  wider = pa.block_mask(documents(jnp.zeros((2, 64), jnp.int32)), 2, 1, 45, 45)
+  with pytest.raises(ValueError, match="different mask_mod"):  # captures of other shapes
+    pa.attention(q, k, v, mask_mod=documents(DOCS), block_mask=wider)
+
+
+def test_block_mask_over_other_captured_values_is_rejected():
+  """Same code over another batch's ids: rejected where both sets of values are concrete."""
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  other = jnp.array(np.sort(np.random.RandomState(2).randint(0, 3, size=(2, 45))), jnp.int32)
+  bm = pa.block_mask(documents(DOCS), 2, 1, 45, 45, block_q=16, block_kv=16)
+  run = lambda q, ids, bm: pa.attention(q, k, v, mask_mod=documents(ids), block_mask=bm)
+  with pytest.raises(ValueError, match="same mask_mod code over other captured values.*"
+                     + REBUILD):
+    run(q, other, bm)
+  with pytest.raises(ValueError, match="other captured values"):  # ids closed over under jit
+    jax.jit(lambda q: run(q, other, bm))(q)
+  reference = pa.attention_reference(q, k, v, mask_mod=documents(DOCS))
+  for _ in range(2):  # the same mask for new closures over the same ids, as layers pass it
+    assert_close(run(q, DOCS, bm), reference)
+  # ids as jit arguments: the values are unknown while tracing, and are not compared.
+  assert_close(jax.jit(run)(q, DOCS, bm), reference)
+
+
+def test_values_digest_sees_positions_and_dtypes():
+  ids = jnp.arange(64, dtype=jnp.int32) // 16
+  moved = jnp.minimum((jnp.arange(64, dtype=jnp.int32) + 1) // 16, 3)
+  digests = [int(bm_lib.values_digest(c)) for c in
+             [(ids,), (ids[::-1],), (moved,), (ids, ids), (ids > 1,),
+              (ids.astype(jnp.bfloat16),), (ids.astype(jnp.float32),)]]
+  assert len(set(digests)) == len(digests)
+  assert int(bm_lib.values_digest((jnp.array(ids),))) == digests[0]
+
+
 def test_eager_block_mask_reuses_its_compiled_builder(monkeypatch):
   """New document ids of the same shape: no new builder, no compilation, the new ids' lists."""
   shape = (2, 1, 300, 300)
@@ -172,8 +218,13 @@ def test_block_mask_inside_jit_with_traced_captures():
   ids = jnp.array(np.sort(np.random.RandomState(5).randint(0, 3, size=(2, 45))), jnp.int32)
   build = lambda ids: pa.block_mask(documents(ids), 2, 1, 45, 45, block_q=16, block_kv=16)
   traced, eager = jax.jit(build)(ids), build(ids)
-  for field in FIELDS:
+  for field in FIELDS + ["digest"]:
     np.testing.assert_array_equal(getattr(traced, field), getattr(eager, field))
+  assert traced.program == eager.program
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  used = jax.jit(lambda q, ids: pa.attention(q, k, v, mask_mod=documents(ids),
+                                             block_mask=build(ids)))
+  assert_close(used(q, ids), pa.attention_reference(q, k, v, mask_mod=documents(ids)))
 
 
 def _expected(mask_mod, shape, block=16):

@@ -12,13 +12,16 @@ is broadcast.
 Masks are built eagerly (`block_mask`, and `attention` where mask_mod's
 captured arrays are concrete) by a compiled builder, cached per mask and
 shape, that takes the captured arrays as arguments; inside a trace where
-they are traced, in that trace.
+they are traced, in that trace. A mask records what it was built from
+(mask_mod's program fingerprint, a digest of the captured values) for
+`attention` to check against the mask_mod it is passed with.
 """
 from __future__ import annotations
 
 import builtins
 import dataclasses
 import functools
+import hashlib
 import math
 import types
 
@@ -40,15 +43,23 @@ _NO_QUERIES = -1  # a q block past the sequence end, while re-tiling: neither ke
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["kv_partial_num", "kv_partial_idx", "kv_full_num", "kv_full_idx",
-                 "q_partial_num", "q_partial_idx", "q_full_num", "q_full_idx", "classes"],
-    meta_fields=["block_q", "block_k", "seq_q", "seq_kv"])
+                 "q_partial_num", "q_partial_idx", "q_full_num", "q_full_idx", "classes",
+                 "digest"],
+    meta_fields=["block_q", "block_k", "seq_q", "seq_kv", "program"])
 @dataclasses.dataclass(frozen=True)
 class BlockMask:
   """Tile lists of a mask. `kv_*` are q-major (`[Bm, Hm, nq]` counts and
   `[Bm, Hm, nq, nk]` kv block indices); `q_*` are kv-major, for the dk/dv
   pass. Bm, Hm are 1 where the mask does not depend on b, h. `classes`
   (`[Bm, Hm, nq, nk]` int8, EMPTY / PARTIAL / FULL) is what the lists were
-  made from; `with_blocks` re-tiles it."""
+  made from; `with_blocks` re-tiles it.
+
+  What it was built from, for `attention` to check against its mask_mod:
+  `program`, the mask_mod program's fingerprint (`program_fingerprint`;
+  static, so known under a trace), and `digest`, a uint32 scalar hash of
+  the captured arrays' values (`values_digest`: a tracer where they were
+  traced; None where mask_mod captures none, and in the lists `attention`
+  hands its kernels)."""
   kv_partial_num: jax.Array
   kv_partial_idx: jax.Array
   kv_full_num: jax.Array
@@ -58,10 +69,12 @@ class BlockMask:
   q_full_num: jax.Array
   q_full_idx: jax.Array
   classes: jax.Array
+  digest: jax.Array | None
   block_q: int
   block_k: int
   seq_q: int
   seq_kv: int
+  program: str
 
   def q_major(self, num_blocks: int | None = None) -> tuple:
     """(partial num, partial idx, full num, full idx) per q block; with
@@ -91,7 +104,7 @@ class BlockMask:
                       _NO_QUERIES)
     classes = _retile(classes, 3, self.block_k, block_k, -(-self.seq_kv // block_k), EMPTY)
     return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=self.seq_q,
-                        seq_kv=self.seq_kv)
+                        seq_kv=self.seq_kv, program=self.program, digest=self.digest)
 
   def can_retile(self, block_q: int, block_k: int) -> bool:
     """Whether `with_blocks` takes these sizes: each divides the current one or is a multiple."""
@@ -675,10 +688,67 @@ def _tile_lists(classes):
   return count[0, ..., 0], idx[0], count[1, ..., 0], idx[1]
 
 
-def from_classes(classes, *, block_q, block_k, seq_q, seq_kv) -> BlockMask:
+def from_classes(classes, *, block_q, block_k, seq_q, seq_kv, program, digest) -> BlockMask:
   return BlockMask(*_tile_lists(classes), *_tile_lists(jnp.swapaxes(classes, -1, -2)),
-                   classes.astype(jnp.int8), block_q=block_q, block_k=block_k, seq_q=seq_q,
-                   seq_kv=seq_kv)
+                   classes.astype(jnp.int8), digest, block_q=block_q, block_k=block_k,
+                   seq_q=seq_q, seq_kv=seq_kv, program=program)
+
+
+def program_fingerprint(prog) -> str:
+  """What `VariantAnalysis.fingerprint` hashes of one program, here
+  mask_mod's (that one also hashes score_mod and the rownorm, which a block
+  mask does not depend on): its jaxpr as text and its captured arrays'
+  shapes and dtypes, not their values, so the same whether those are
+  concrete or traced."""
+  h = hashlib.sha256(str(prog.traced.jaxpr).encode())
+  for c in prog.traced.consts:
+    h.update(f"{np.shape(c)}{jnp.result_type(c)};".encode())
+  return h.hexdigest()[:16]
+
+
+def _mix(x):
+  """MurmurHash3's 32-bit finalizer: every input bit flips about half the output bits."""
+  x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+  x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def _words(x):
+  """`x`'s bits as flat uint32 words (one per element of up to 4 bytes, two of 8)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32).ravel()
+  if x.dtype.itemsize < 4:
+    x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return x.astype(jnp.uint32).ravel()
+  return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+
+
+def values_digest(consts):
+  """A uint32 hash of the captured arrays' bits: the sum over words of
+  mix(word ^ mix(position)), positions running on across the arrays, so
+  that a word moved elsewhere (permuted ids, a moved document boundary)
+  changes the sum. Elementwise integer ops and one reduction per array."""
+  total, start = jnp.uint32(0), 0
+  for x in consts:
+    words = _words(x)
+    position = jnp.arange(start, start + words.size, dtype=jnp.uint32)
+    total = total + jnp.sum(_mix(words ^ _mix(position)), dtype=jnp.uint32)
+    start += words.size
+  return total
+
+
+@jax.jit
+def _digest_is(digest, consts):
+  return values_digest(consts) == digest
+
+
+def built_over(block_mask: BlockMask, consts) -> bool:
+  """Whether `block_mask`'s digest is that of `consts` (both concrete): one
+  small compiled computation and one scalar read, run at once also inside a
+  trace (at trace time: the values are constants there)."""
+  with jax.ensure_compile_time_eval():
+    return bool(_digest_is(block_mask.digest, tuple(consts)))
 
 
 def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, tilings,
@@ -688,10 +758,16 @@ def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, ti
   does not divide is classified on its own. Where tile bounds decide most
   tiles, a tile costs little whatever its size, so each tiling is classified
   on its own: fewer tiles than the finest for the coarser ones, and a
-  jitted forward keeps only its own."""
+  jitted forward keeps only its own. Each records mask_mod's program and
+  the digest of its captured arrays (see `BlockMask`)."""
+  consts = analysis.mask_mod.traced.consts
+  built_from = dict(program=program_fingerprint(analysis.mask_mod),
+                    digest=values_digest(consts) if consts else None)
+
   def build(block_q, block_k):
     classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
-    return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv)
+    return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv,
+                        **built_from)
 
   if TILE_BOUNDS and has_tile_bounds(analysis):
     built = {}
@@ -1004,6 +1080,10 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   arrays, numbers, containers; see `_Walk`); otherwise they trace it once.
   Inside a jitted function whose arguments mask_mod captures, the mask is
   built in that trace instead.
+
+  The mask records mask_mod's program and a digest of its captured values,
+  which `attention` checks (see its `block_mask` argument); the digest is
+  computed by the builder, on device, with no transfer.
   """
   build, argument = _eager_builder(
       mask_mod, _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret))
@@ -1053,4 +1133,6 @@ def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> st
           "over; where they are traced (jit arguments), rebuilt in each call: mask_mod "
           f"evaluated on {where}, of {' x '.join(map(str, sizes))} (b, h, q, kv) positions "
           f"(~{math.prod(sizes) / 1e6:.3g} M); build it once per batch with "
-          "pallas_attn.block_mask(...) and pass block_mask= to avoid that")
+          "pallas_attn.block_mask(...) and pass block_mask= to avoid that (attention checks "
+          "it against mask_mod's program, and against its arrays' values where those are "
+          "concrete; not under jit with them as arguments: build it in the step, from them)")
