@@ -33,11 +33,22 @@ RANDOM_SHAPES = dict(
     causal=st.booleans(), seed=st.integers(0, 1000))
 
 
+def _hopper() -> bool:
+  from pallas_attn.kernels import mosaic_backend
+  return ON_GPU and mosaic_backend.unavailable() is None
+
+
 def pytest_collection_modifyitems(config, items):
-  skip_gpu = pytest.mark.skip(reason="needs a GPU (compiled Triton kernels)")
+  """The one place GPU-only tests are skipped: `gpu` (compiled kernels),
+  `hopper` (compiled Mosaic GPU kernels) and `multi_gpu` (two GPUs or more)."""
+  reasons = {"gpu": None if ON_GPU else "needs a GPU (compiled kernels)",
+             "hopper": None if _hopper() else "needs a Hopper GPU (Mosaic GPU compiled)",
+             "multi_gpu": None if ON_GPU and jax.device_count() >= 2 else "needs 2+ GPUs"}
   for item in items:
-    if "gpu" in item.keywords and not ON_GPU:
-      item.add_marker(skip_gpu)
+    why = next((reason for marker, reason in reasons.items()
+                if reason and marker in item.keywords), None)
+    if why:
+      item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from pallas_attn.spec import primitives
 from test_attention_backward import check_gradients
 from test_mosaic_backward import _check as check_mosaic_gradients
 from test_mosaic_backward import _lowering as mosaic_lowering
-from test_mosaic_backward import hopper
 
 SMALL = pa.AttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=1)
 HEADS, KV_HEADS = 2, 1
@@ -242,7 +241,7 @@ def test_compiled_triton(name):
          factor=FACTORS.get(name, 1.0))
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_compiled_mosaic_gpu(name):

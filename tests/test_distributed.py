@@ -43,10 +43,9 @@ def test_distributed_on_four_cpu_devices(group):
 
 
 @pytest.mark.gpu
+@pytest.mark.multi_gpu
 def test_distributed_compiled_on_local_gpus():
   """Compiled kernels over every local GPU (NVLink multicast left off)."""
-  if jax.device_count() < 2:
-    pytest.skip(f"needs at least 2 GPUs; got {jax.devices()}")
   _run_checks("--compiled", env_update={"NCCL_NVLS_ENABLE": "0"})
 
 

@@ -30,11 +30,6 @@ INTERPRET = [True, pytest.param(False, marks=pytest.mark.gpu)]
 KINDS = ["none", "per_head", "scalar", "vector"]
 
 
-def _skip_without_gpu(interpret):
-  if not interpret and jax.default_backend() != "gpu":
-    pytest.skip("compiled Triton kernels need a GPU")
-
-
 def _normal(seed, shape, dtype=jnp.float32):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(
       dtype)
@@ -81,7 +76,6 @@ def random_features(x):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_matches_reference(kind, dtype, interpret):
-  _skip_without_gpu(interpret)
   q, k, v = _inputs(dtype)
   log_decay = _log_decay(kind, 3)
   state = _normal(4, (B, H, DK, DV))
@@ -115,7 +109,6 @@ def _grads(fn, args, argnums, o_shape, state_shape):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_match_reference(kind, dtype, interpret):
-  _skip_without_gpu(interpret)
   if dtype == jnp.bfloat16 and kind in ("none", "per_head") and interpret:
     pytest.skip("bf16 gradients run for the scalar and vector kernels only")
   q, k, v = _inputs(dtype)
@@ -140,7 +133,6 @@ def test_gradients_match_reference(kind, dtype, interpret):
 @pytest.mark.parametrize("interpret", INTERPRET)
 def test_normalize_and_feature_maps_with_gradients(interpret):
   """Linear transformer (elu+1, normalised) with a scalar decay."""
-  _skip_without_gpu(interpret)
   q, k, v = _inputs()
   log_decay = _log_decay("scalar", 5)
   state = jnp.abs(_normal(6, (B, H, DK, DV + 1)))  # z column > 0
@@ -166,7 +158,6 @@ def test_normalize_and_feature_maps_with_gradients(interpret):
 @pytest.mark.parametrize("interpret", INTERPRET)
 def test_width_changing_feature_map_with_vector_gate(interpret):
   """Random features (Dk -> 2 Dk) with a gate over the feature width."""
-  _skip_without_gpu(interpret)
   q, k, v = _inputs()
   log_decay = _log_decay("vector", 7, d_feature=2 * DK)
   kwargs = dict(q_mod=random_features, k_mod=random_features, scale=0.5)
@@ -187,7 +178,6 @@ def test_width_changing_feature_map_with_vector_gate(interpret):
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("normalize", [False, True])
 def test_state_passing_across_calls_equals_one_call(normalize, interpret):
-  _skip_without_gpu(interpret)
   q, k, v = _inputs()
   log_decay = _log_decay("vector", 8)
   feature_map = elu_plus_one if normalize else None
@@ -247,21 +237,20 @@ def test_decode_step_gradients_match_reference():
 @pytest.mark.parametrize("interpret", INTERPRET)
 def test_several_value_blocks_and_default_chunk(interpret):
   """block_v=16 splits Dv into blocks: dq/dk are summed across programs."""
-  _skip_without_gpu(interpret)
   q, k, v = _inputs(d_v=40)
   log_decay = _log_decay("scalar", 12)
   config = LinearAttentionConfig(chunk_size=32, block_v=16)
+  ref = lambda q, k, v, g: linear_attention_reference(q, k, v, log_decay=g)
+  args = (q, k, v, log_decay)
+  grads_ref = _grads(ref, args, (0, 1, 2, 3), v.shape, (B, H, DK, 40))
   for kwargs in (dict(config=config), dict()):
     call = lambda q, k, v, g: linear_attention(
         q, k, v, log_decay=g, return_final_state=True, interpret=interpret,
         **kwargs)
-    ref = lambda q, k, v, g: linear_attention_reference(q, k, v, log_decay=g)
-    args = (q, k, v, log_decay)
     assert_close(call(*args)[0], ref(*args)[0], 1e-5, "o")
-  grads = _grads(call, args, (0, 1, 2, 3), v.shape, (B, H, DK, 40))
-  grads_ref = _grads(ref, args, (0, 1, 2, 3), v.shape, (B, H, DK, 40))
-  for g, g_ref in zip(grads, grads_ref):
-    assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32])
+    grads = _grads(call, args, (0, 1, 2, 3), v.shape, (B, H, DK, 40))
+    for g, g_ref in zip(grads, grads_ref):
+      assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -269,7 +258,6 @@ def test_several_value_blocks_and_default_chunk(interpret):
 def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
   """Dk = 128 and Dv = 200 (padded to 256): the state passes run 2 x 2 tiles
   of 64 x 128 per head, forwards and in reverse (`state_tile`)."""
-  _skip_without_gpu(interpret)
   d_k, d_v = 128, 200
   assert state_tile(d_k, 256) == (64, 128)
   shape = (1, S, 1)
@@ -298,7 +286,6 @@ def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
 @pytest.mark.parametrize("kind", ["scalar", "vector"])
 def test_chunk_cumulative_log_decay_matches_jnp(kind, interpret):
   """The decay-prefix kernel against the jnp cumsum, four chunks."""
-  _skip_without_gpu(interpret)
   log_decay = _log_decay(kind, 50, seq_len=4 * CHUNK, strength=5.0)
   assert_close(chunk_cumulative_log_decay(log_decay, CHUNK, interpret=interpret),
                reference.chunk_cumulative_log_decay(log_decay, CHUNK), 1e-6)
@@ -327,7 +314,6 @@ def test_strong_decay_over_long_chunks_is_stable(kind):
 def test_vector_decay_of_mixed_strength(interpret):
   """Row blocks of mild decay pair their own keys on the tensor cores, those
   of strong decay elementwise; one call with both matches the reference."""
-  _skip_without_gpu(interpret)
   q, k, v = _inputs(seq_len=64)
   strength = jnp.where(jnp.arange(64) % 32 < 16, 0.2, 40.0)[None, :, None, None]
   log_decay = _log_decay("vector", 16, seq_len=64) * strength

@@ -13,7 +13,6 @@ from pallas_attn.spec.analysis import analyze_variant
 from conftest import assert_close, qkv, random
 from test_mosaic_forward import B, HKV, HQ, HOPPER, VARIANTS, _variant
 
-hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
 TRITON_BACKWARD = ("tile_bias",)  # [q, kv] tiles of a captured array
 
 
@@ -43,7 +42,7 @@ def _lowering(kw, d_qk=128, d_v=128):
   return lowering.choose(None, analysis, jnp.bfloat16, d_qk, d_v, False)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n not in TRITON_BACKWARD])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
@@ -57,7 +56,7 @@ def test_variants_ragged_gqa(name, dtype):
   _check(q, k, v, kw)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_q,seq_kv", [(200, 520), (520, 200)])
 @pytest.mark.parametrize("name", ["rel_table", "t5"])
@@ -77,7 +76,7 @@ def test_diagonal_terms_uneven_lengths(name, seq_q, seq_kv):
   _check(q, k, v, kw)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_diagonal_term_closed_over_under_jit_and_vmap():
   """A relative-position table closed over as users write it: eager twice
@@ -102,7 +101,7 @@ def test_diagonal_term_closed_over_under_jit_and_vmap():
     assert_close(g, r, jnp.bfloat16, factor=2.0)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_q,seq_kv,d_qk,d_v,kv_heads", [
     (200, 520, 64, 64, 1), (520, 200, 128, 128, 4), (300, 300, 128, 64, 2),
@@ -117,7 +116,7 @@ def test_shapes(seq_q, seq_kv, d_qk, d_v, kv_heads, masked):
   _check(q, k, v, kw)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_agrees_with_triton_and_is_deterministic():
   q, k, v = qkv(batch=2, seq_q=1024, seq_kv=1024, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
@@ -132,7 +131,7 @@ def test_agrees_with_triton_and_is_deterministic():
     assert_close(m, t.astype(jnp.float32), jnp.bfloat16, factor=2.0)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_differentiated_captures_take_the_triton_passes():
   seq = 200
@@ -204,7 +203,7 @@ def test_tile_captures_keep_the_backward_on_triton(monkeypatch):
   assert "differentiated" in plain.describe()
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_lse_cotangent():
   """A loss on the returned lse reaches the delta the dq kernel computes."""

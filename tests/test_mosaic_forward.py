@@ -12,7 +12,6 @@ from conftest import ON_GPU, assert_close, qkv, random
 from test_computed_index import t5_bucket
 
 HOPPER = ON_GPU and mosaic_backend.unavailable() is None
-hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (Mosaic GPU compiled)")
 
 B, HQ, HKV = 2, 4, 2
 
@@ -63,7 +62,7 @@ VARIANTS = ["vanilla", "causal", "softcap", "alibi", "alibi_sigmoid", "window", 
             "key_bias", "row_bias", "rel_table", "t5", "tile_bias"]
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
@@ -89,7 +88,7 @@ def test_heuristic_tiles():
   assert choose(4096, 4096, 256, 256).block_k == 64
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_q,seq_kv,d_qk,d_v", [
     (200, 520, 64, 64), (520, 200, 128, 128), (64, 1000, 256, 256), (300, 300, 192, 128),
@@ -108,7 +107,7 @@ def test_shapes(seq_q, seq_kv, d_qk, d_v, masked):
   assert_close(jnp.where(finite, lse, 0.0), jnp.where(finite, ref_lse, 0.0), jnp.bfloat16)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["vanilla", "causal", "alibi", "sinks", "key_bias"])
 def test_gradients_through_mosaic_forward(name):
@@ -129,7 +128,7 @@ def test_gradients_through_mosaic_forward(name):
     assert_close(g, r, jnp.bfloat16, factor=2.0)
 
 
-@hopper
+@pytest.mark.hopper
 @pytest.mark.gpu
 def test_default_is_mosaic_on_hopper_and_agrees_with_triton():
   q, k, v = qkv(batch=1, seq_q=512, seq_kv=512, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_attn.kernels import mosaic_backend
 from pallas_attn.schedule import cache as cache_lib
 from pallas_attn.schedule import device as device_lib
 from pallas_attn.schedule import search_space as space_lib
@@ -21,7 +20,6 @@ from pallas_attn.schedule import timing, tuner
 from pallas_attn.schedule.config import AttentionConfig, DecodeConfig, LinearAttentionConfig
 
 H100 = device_lib.lookup_device("NVIDIA H100 80GB HBM3")
-ON_HOPPER = jax.default_backend() == "gpu" and mosaic_backend.unavailable() is None
 CPU = device_lib.lookup_device("cpu")
 
 
@@ -233,7 +231,7 @@ def test_tuning_a_mosaic_template_where_it_cannot_run_says_why(template):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_HOPPER, reason="needs Mosaic GPU (sm_90+)")
+@pytest.mark.hopper
 def test_tune_mosaic_templates_then_attention_uses_them(cache_path):
   """Both Mosaic passes tuned on a small shape, stored, and picked up by
   attention(): its results equal the heuristic configs' results."""
