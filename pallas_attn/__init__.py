@@ -1,4 +1,5 @@
 """pallas_attn: attention variants written as plain JAX, compiled to fused Pallas kernels."""
+from pallas_attn._version import __version__
 from pallas_attn.api import attention
 from pallas_attn.decode import decode_attention, paged_attention
 from pallas_attn.distributed import context_parallel_attention, ring_attention
@@ -16,4 +17,3 @@ __all__ = [
     "VariantError", "variants", "decode_attention", "paged_attention", "DecodeConfig",
     "context_parallel_attention", "ring_attention",
 ]
-__version__ = "0.1.0"

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_attn import decode, inputs
 from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
@@ -18,42 +19,6 @@ from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import is_concrete
 from pallas_attn.vjp import attention_vjp
 from pallas_attn.vjp.parallel_backward import heuristic_backward_config
-
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def check_qkv(q, k, v, *, k_name: str = "k", v_name: str = "v",
-              kv_layout: str = "[batch, seq, heads, head_dim]"):
-  """The checks every entry point makes of q and a K/V pair: 4-D arrays of
-  one supported dtype, equal q/k head dims, query heads a multiple of kv
-  heads (GQA/MQA)."""
-  for i, (name, x) in enumerate((("q", q), (k_name, k), (v_name, v))):
-    if getattr(x, "ndim", None) != 4:
-      layout = "[batch, seq, heads, head_dim]" if i == 0 else kv_layout
-      raise ValueError(f"{name} must be {layout}; got shape {getattr(x, 'shape', None)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"q, {k_name}, {v_name} must share a dtype; got {q.dtype}, {k.dtype}, "
-                    f"{v.dtype}")
-  if q.shape[3] != k.shape[3]:
-    raise ValueError(f"q and {k_name} head dims differ: q {q.shape}, {k_name} {k.shape}")
-  if q.shape[2] % k.shape[2]:
-    raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
-                     f"({k.shape[2]}) for GQA/MQA")
-
-
-def _validate(q, k, v):
-  check_qkv(q, k, v)
-  if not (q.shape[0] == k.shape[0] == v.shape[0]):
-    raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
-  if k.shape[1] != v.shape[1]:
-    raise ValueError(f"k and v sequence lengths differ: k {k.shape}, v {v.shape}")
-  if k.shape[2] != v.shape[2]:
-    raise ValueError(f"k and v head counts differ: k {k.shape}, v {v.shape}")
-  if min(q.shape[1], k.shape[1]) == 0:
-    raise ValueError("sequence lengths must be positive")
-
 
 def _pad_to(x, axis, length):
   pad = length - x.shape[axis]
@@ -175,7 +140,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   `core` being `_attention` or, where `allow_split_kv` and the schedule
   prefer it for a few queries, the split-KV template's forward in front of
   it. The ring steps of pallas_attn.distributed call it too."""
-  _validate(q, k, v)
+  inputs.check_attention_inputs(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   if partitioning.may_shard():
     # A shard's kernels number heads from 0 (distributed/offsets.py); the
@@ -193,7 +158,6 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   split_kv = None  # a few queries: the split-KV template (pallas_attn/decode.py)
   if (allow_split_kv and config in (None, "auto") and implementation is None
       and block_mask is None):
-    from pallas_attn import decode  # imports this module
     split_kv = decode.split_kv_call(analysis, q, k, v, scale, interpret)
   block_masks = (None if split_kv else
                  _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret))
@@ -206,7 +170,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
     if forward_template == "forward_mosaic":
       lowering_lib.check_mosaic_config(cfg)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
-  sinks = _resolve_sinks(sinks, analysis, q.shape[2])
+  sinks = inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
                  for prog in (analysis.score_mod, analysis.mask_mod))
   call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,
@@ -214,26 +178,6 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   core = (_attention if split_kv is None else
           functools.partial(decode.split_kv_attention, split_kv=split_kv, dense=_attention))
   return call, consts, block_masks, sinks, core
-
-
-def _resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
-  """The `[Hq]` float32 sink logits the kernel starts rows at, or None:
-  the caller's array, else the constant a recognized rownorm wrote."""
-  rownorm = analysis.rownorm
-  if sinks is None:
-    return None if rownorm.sink is None else jnp.full((heads,), rownorm.sink, jnp.float32)
-  if rownorm.kind != "softmax":
-    raise ValueError(f"sinks add a term to a softmax denominator; rownorm "
-                     f"'{rownorm.name}' is {rownorm.kind}")
-  if rownorm.sink is not None:
-    raise ValueError(f"rownorm '{rownorm.name}' already has a sink term (logit "
-                     f"{rownorm.sink:g}); pass sinks or write one in the rownorm, not both")
-  if getattr(sinks, "shape", None) != (heads,):
-    raise ValueError(f"sinks must be [Hq] = [{heads}], one logit per query head; got shape "
-                     f"{getattr(sinks, 'shape', type(sinks).__name__)}")
-  if not jnp.issubdtype(sinks.dtype, jnp.floating):
-    raise TypeError(f"sinks must be floating point; got {sinks.dtype}")
-  return sinks
 
 
 def _mask_only(analysis: VariantAnalysis) -> VariantAnalysis:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import api
+from pallas_attn import inputs
 from pallas_attn.kernels import backend, decode_forward, tiles
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.schedule import cache as tuning_cache
@@ -97,7 +97,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
 
 
 def _validate(q, k, v, kv_lengths, k_name, v_name, paged=False):
-  api.check_qkv(q, k, v, k_name=k_name, v_name=v_name,
+  inputs.check_qkv(q, k, v, k_name=k_name, v_name=v_name,
                 kv_layout="[num_pages, page_size, Hkv, D]" if paged else "[B, S, Hkv, D]")
   if k.shape[:3] != v.shape[:3]:
     raise ValueError(f"{k_name} {k.shape} and {v_name} {v.shape} differ before the head dim")
@@ -183,7 +183,7 @@ class _DecodeCall:
 def _decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, rownorm, sinks,
             scale, config, interpret):
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  sinks = api._resolve_sinks(sinks, analysis, q.shape[2])
+  sinks = inputs.resolve_sinks(sinks, analysis, q.shape[2])
   heads_kv = k.shape[2]
   cfg = resolve_config(config, analysis, q, (q.shape[0], max_length, heads_kv, k.shape[3]),
                        (q.shape[0], max_length, heads_kv, v.shape[3]))

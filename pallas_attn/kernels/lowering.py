@@ -16,8 +16,7 @@ import jax.numpy as jnp
 
 from pallas_attn.kernels import mosaic_backend
 from pallas_attn.kernels.online import OnlineRowNorm
-from pallas_attn.schedule import search_space
-from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.schedule.config import AttentionConfig, padded_head_dim as triton_head_dim
 from pallas_attn.spec import primitives
 from pallas_attn.spec.analysis import VariantAnalysis
 from pallas_attn.spec.captures import ElementwiseProgram
@@ -180,7 +179,7 @@ def padded_head_dim(d: int, *lowerings: str) -> int:
   """Head dims as the kernels of the given passes' lowerings take them:
   powers of two of at least 16 for Triton's tiles; at least 64 (one
   128-byte swizzle row) where a pass runs on Mosaic GPU."""
-  triton = search_space.padded_head_dim(d)
+  triton = triton_head_dim(d)
   return max(64, triton) if MOSAIC_GPU in lowerings else triton
 
 

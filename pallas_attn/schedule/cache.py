@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -35,6 +34,7 @@ from typing import Callable
 
 import jax
 
+from pallas_attn._version import __version__
 from pallas_attn.schedule.config import next_power_of_2
 from pallas_attn.schedule.device import current_device_kind
 from pallas_attn.schedule.search_space import Config, ProblemShape, config_class
@@ -56,14 +56,7 @@ class CacheFileError(ValueError):
 
 def package_version() -> str:
   """pallas_attn's version (a cache-key field)."""
-  import pallas_attn
-  version = getattr(pallas_attn, "__version__", None)
-  if version:
-    return str(version)
-  try:
-    return importlib.metadata.version("pallas-attn")
-  except importlib.metadata.PackageNotFoundError:
-    return "unknown"
+  return __version__
 
 
 def default_cache_path() -> pathlib.Path:

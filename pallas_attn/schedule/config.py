@@ -67,6 +67,11 @@ def next_power_of_2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def padded_head_dim(d: int) -> int:
+  """Head dims as the Triton kernels hold them: a power of two, at least 16."""
+  return max(16, next_power_of_2(d))
+
+
 def round_up(n: int, multiple: int) -> int:
   """`n` padded to a multiple of `multiple` (a sequence to whole blocks)."""
   return -(-n // multiple) * multiple

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from pallas_attn.schedule.config import (AttentionConfig, DecodeConfig, LinearAttentionConfig,
                                          heuristic_config, heuristic_decode_config,
-                                         next_power_of_2)
+                                         next_power_of_2, padded_head_dim)
 from pallas_attn.schedule.device import DeviceConfig, KiB, device_config
 
 Config = AttentionConfig | LinearAttentionConfig | DecodeConfig
@@ -106,11 +106,6 @@ class ProblemShape:
   @property
   def v_shape(self) -> tuple[int, ...]:
     return (self.batch, self.seq_kv, self.heads_kv, self.d_v)
-
-
-def padded_head_dim(d: int) -> int:
-  """Head dims as the kernels hold them: a power of two, at least 16."""
-  return max(16, next_power_of_2(d))
 
 
 def format_config(config: Config) -> str:
