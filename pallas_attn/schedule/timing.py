@@ -15,7 +15,8 @@ MAX_CALLS_PER_WINDOW = 200
 
 
 def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
-                   window_ms: float = WINDOW_MS) -> float:
+                   window_ms: float = WINDOW_MS,
+                   wait: Callable = jax.block_until_ready) -> float:
   """Median milliseconds per call of `fn()` (a zero-arg callable returning
   arrays), as device throughput.
 
@@ -27,14 +28,16 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
   `window_ms`. Waiting after every call instead adds the host's dispatch
   and wait to each: 50-70 us on an H200, up to 40% of a 0.2 ms kernel.
   (Triton's `do_bench` does that for JAX: its events are recorded on
-  PyTorch's stream, which JAX does not run on.)
+  PyTorch's stream, which JAX does not run on.) `wait(out)` blocks until
+  `out` is computed: pass `lambda _: torch.cuda.synchronize()` to time a
+  PyTorch call the same way.
   """
   if reps < 1 or warmup < 1:
     raise ValueError(f"warmup and reps must be >= 1, got {warmup}, {reps}")
   for _ in range(warmup - 1):
-    jax.block_until_ready(fn())
+    wait(fn())
   start = time.perf_counter()
-  jax.block_until_ready(fn())
+  wait(fn())
   estimate_ms = (time.perf_counter() - start) * 1e3
   calls = max(1, min(MAX_CALLS_PER_WINDOW,
                      math.floor(window_ms / max(estimate_ms, 1e-3))))
@@ -43,7 +46,7 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
     start = time.perf_counter()
     for _ in range(calls):
       out = fn()
-    jax.block_until_ready(out)
+    wait(out)
     times.append((time.perf_counter() - start) * 1e3 / calls)
   return statistics.median(times)
 
