@@ -486,8 +486,9 @@ def format_table(rows: list[Row]) -> str:
 
 def pivot_table(rows: list[Row]) -> str:
   """A short table: one line per case and mode, one column per implementation,
-  each cell its rate (TFLOP/s, else GB/s, else ms) by kernel time where
-  measured, else by the first other measure; "n/a" where it could not run."""
+  each cell its rate (TFLOP/s, else GB/s, else ms; MiB of compiled memory) by
+  kernel time where measured, else by the first other measure; "n/a" where it
+  could not run."""
   impls = list(dict.fromkeys(r.impl for r in rows))
   lines = list(dict.fromkeys((r.case, r.mode) for r in rows))
   best = {}
@@ -499,6 +500,8 @@ def pivot_table(rows: list[Row]) -> str:
   def cell(r: Row | None) -> str:
     if r is None:
       return ""
+    if "bytes" in r.extra:
+      return f"{r.extra['bytes'] / 2**20:.3g} MiB"
     if r.time_ms is None:
       return "n/a"
     number = lambda x: f"{x:.0f}" if x >= 100 else f"{x:.3g}"
