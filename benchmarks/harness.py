@@ -26,6 +26,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -334,7 +335,8 @@ def parser(description: str, rounds: int = 3) -> argparse.ArgumentParser:
   """The options every script takes."""
   p = argparse.ArgumentParser(description=description)
   p.add_argument("--out", default=None,
-                 help="results folder (default: benchmarks/results/<date>_<device>/)")
+                 help="results folder (default: benchmarks/results/<date>_<device>/; with "
+                      "--small, one under the temporary folder)")
   p.add_argument("--tag", default="", help="suffix of the results file's name")
   p.add_argument("--small", action="store_true",
                  help="tiny shapes: checks the script on a CPU (interpret mode)")
@@ -345,17 +347,18 @@ def parser(description: str, rounds: int = 3) -> argparse.ArgumentParser:
   return p
 
 
-def default_out_dir(device_count: int = 1) -> str:
-  return os.path.join(RESULTS, f"{datetime.date.today().isoformat()}_"
-                               f"{bench.device_slug(device_count)}")
+def default_out_dir(device_count: int = 1, small: bool = False) -> str:
+  """benchmarks/results/<date>_<device>/ (a temporary folder for `--small` checks)."""
+  folder = f"{datetime.date.today().isoformat()}_{bench.device_slug(device_count)}"
+  return os.path.join(tempfile.gettempdir() if small else RESULTS, folder)
 
 
 def finish(args, benchmark: str, rows: list[Row], ratios: list = (), *, env: dict | None = None,
            notes: str = "", device_count: int = 1) -> str:
   """Writes the results file, then prints the ratios and a short table last."""
-  out = args.out or default_out_dir(device_count)
+  out = args.out or default_out_dir(device_count, args.small)
   path = os.path.join(out, benchmark + (f"_{args.tag}" if args.tag else "") + ".json")
-  bench.write_results(path, benchmark, rows, ratios, env=env, notes=notes)
+  bench.write_results(path, benchmark, rows, ratios, env=env, notes=notes, small=args.small)
   print(f"\nwrote {path}")
   reasons = collections.Counter((r.impl, r.note) for r in rows if r.time_ms is None and r.note)
   for (impl, note), count in reasons.items():

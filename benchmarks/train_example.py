@@ -79,7 +79,7 @@ def main(argv=None):
   parser.add_argument("--profile", action="store_true", help="kernel groups and timeline")
   parser.add_argument("--top", type=int, default=12, help="largest kernels kept per model")
   args = parser.parse_args(argv)
-  out = args.out or harness.default_out_dir()
+  out = args.out or harness.default_out_dir(small=args.small)
   example_args = ["--variant", args.variant, "--framework", args.framework, "--out", out]
   example_args += (["--tiny"] if args.small else []) + (
       ["--steps", str(args.steps)] if args.steps else []) + (

@@ -205,7 +205,7 @@ def main(argv=None):
                       help="implementations, ours first (default: the suite's)")
   args = parser.parse_args(argv)
   args.tag = args.tag or "_".join(args.suite + (args.modes if len(args.modes) == 1 else []))
-  out = args.out or harness.default_out_dir()
+  out = args.out or harness.default_out_dir(small=args.small)
   budget = harness.Budget(args.budget_s)
   rows, ratios = [], []
   for name in args.suite:

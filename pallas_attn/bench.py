@@ -411,10 +411,11 @@ def versions() -> dict:
 
 def environment() -> dict:
   """Device, date, versions and commit: the header of a results file."""
-  devices = jax.devices()
+  devices, now = jax.devices(), datetime.datetime.now()
   return {"device": devices[0].device_kind, "device_count": len(devices),
-          "platform": devices[0].platform, "date": datetime.date.today().isoformat(),
-          "versions": versions(), "commit": git_commit()}
+          "platform": devices[0].platform, "date": now.date().isoformat(),
+          "time": now.isoformat(timespec="seconds"), "versions": versions(),
+          "commit": git_commit()}
 
 
 def device_slug(count: int = 1) -> str:
@@ -426,10 +427,11 @@ def device_slug(count: int = 1) -> str:
 
 
 def write_results(path: str, benchmark: str, rows: list[Row], ratios: list = (), *,
-                  env: dict | None = None, notes: str = "") -> dict:
-  """Writes (and returns) a results file: environment, command, rows, ratios."""
+                  env: dict | None = None, notes: str = "", small: bool = False) -> dict:
+  """Writes (and returns) a results file: environment, command, rows, ratios.
+  `small`: tiny shapes that check a script, no measurement to summarize."""
   doc = {"schema": SCHEMA, "benchmark": benchmark, **(env or environment()),
-         "command": " ".join(sys.argv), "notes": notes,
+         "command": " ".join(sys.argv), "notes": notes, "small": small,
          "rows": [dataclasses.asdict(r) for r in rows], "ratios": list(ratios)}
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
