@@ -347,7 +347,8 @@ def decoding(folders) -> list[str]:
       return "–"
     return f"{r['time_ms']:.4f}" + ("" if "window" in c else f" \\| {r['gb_s'] / 1e3:.2f}")
   rows = [[label] + [text(c, i) for i in impls] for label, c in DECODE_ROWS]
-  peak = float((re.search(r"HBM peak ([\d.]+) TB/s", src.used[0]["notes"]) or [0, "nan"])[1])
+  found = re.search(r"HBM peak ([\d.]+) TB/s", src.used[0]["notes"])
+  peak = float(found[1]) if found else float("nan")
   over = lambda c, i: cell[c, i]["time_ms"] / cell[c, "decode"]["time_ms"]
   fraction = {c: cell[c, "decode"]["gb_s"] / 1e3 / peak for c in ("b8_32k", "b1_128k")}
   sq1 = [over(c, "cudnn") for c in ("b8_8k", "b8_32k", "b1_128k", "b64_4k")]

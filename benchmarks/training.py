@@ -54,7 +54,7 @@ def softmax_case(variant: str, seq: int, d: int = 128) -> bench.Case:
 
 CASES = {c.name: c for c in [
     *(softmax_case(v, s, d) for v in ("vanilla", "causal") for d in (64, 128)
-      for s in (1024, 4096, 8192, 16384, 65536)),
+      for s in (1024, 4096, 8192, 16384, 65536) if d == 128 or s < 65536),
     *(softmax_case(v, 4096) for v in ("softcap", "alibi", "alibi_causal", "window256",
                                       "window1024", "documents8", "sigmoid", "rel_table",
                                       "t5_buckets", "sink")),

@@ -492,10 +492,11 @@ def pivot_table(rows: list[Row]) -> str:
   kernel time where measured, else by the first other measure; "n/a" where it
   could not run."""
   impls = list(dict.fromkeys(r.impl for r in rows))
-  lines = list(dict.fromkeys((r.case, r.mode) for r in rows))
+  line_mode = lambda r: r.mode + (" memory" if r.measure == "compiled_memory" else "")
+  lines = list(dict.fromkeys((r.case, line_mode(r)) for r in rows))
   best = {}
   for r in rows:
-    key = (r.case, r.mode, r.impl)
+    key = (r.case, line_mode(r), r.impl)
     if key not in best or (r.measure == "kernel" and r.time_ms is not None):
       best[key] = r
 
