@@ -26,6 +26,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
+import math  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -115,7 +116,7 @@ def t5_bucket_torch(torch, relative_position):
   n = torch.clamp(-relative_position, min=0)
   exact = bench.T5_BUCKETS // 2
   large = exact + (torch.log(torch.clamp(n, min=1).float() / exact)
-                   / np.log(bench.T5_MAX_DISTANCE / exact)
+                   / math.log(bench.T5_MAX_DISTANCE / exact)
                    * (bench.T5_BUCKETS - exact)).to(n.dtype)
   return torch.where(n < exact, n, torch.clamp(large, max=bench.T5_BUCKETS - 1))
 
