@@ -310,7 +310,8 @@ def jax_call(impl: str, c: Case, mode: str, inputs: Inputs,
 class Row:
   """One measurement. `measure`: throughput (back-to-back calls, one wait per
   window), kernel (summed CUPTI kernel durations per call), or what else a
-  script records (events, wall, compiled_memory, timeline); `rounds`: each
+  script records (wall, compiled_memory, timeline; runs before 2026-11-22
+  also amortized, do_bench, events, tuner); `rounds`: each
   alternating round's time where there were rounds (`time_ms` is their
   median). time_ms None: the implementation could not run (note says why)."""
   case: str
