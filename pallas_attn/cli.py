@@ -103,7 +103,7 @@ def _chosen_config(template: str, analysis, shape: ProblemShape):
           "heuristic (no tuned cache entry)")
 
 
-def _running_templates(analysis, shape: ProblemShape) -> list[str]:
+def running_templates(analysis, shape: ProblemShape) -> list[str]:
   """The forward and backward templates `attention` runs here for this call
   (the split-KV template's forward for a few queries)."""
   from pallas_attn import decode
@@ -129,7 +129,7 @@ def cmd_tune(args) -> int:
   shape = _shape(args)
   variant = load_variant(args.variant, shape)
   if args.template is None:
-    args.template = _running_templates(
+    args.template = running_templates(
         analyze_variant(**{k: v for k, v in variant.items() if k != "sinks"}), shape)[0]
   print(f"tuning {args.variant} ({args.template}) for {bench_lib.describe_shape(shape)} "
         f"on {current_device_kind()}, budget {args.budget:g} s", flush=True)
@@ -165,6 +165,9 @@ def cmd_bench(args) -> int:
     rows += bench_lib.bench_variant(name, variant, shape, mode=args.mode,
                                     impls=args.impls, warmup=args.warmup, reps=args.reps)
   print(bench_lib.format_table(rows))
+  if args.json:
+    bench_lib.write_results(args.json, "cli", rows)
+    print(f"wrote {args.json}")
   return 0
 
 
@@ -208,7 +211,7 @@ def cmd_explain(args) -> int:
   if sinks is not None:
     print(f"sinks: {list(sinks.shape)} logits, one per query head, start each row's softmax state")
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
-  for template in args.templates or _running_templates(analysis, shape):
+  for template in args.templates or running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)
     print(f"{template}: {format_config(config)}  [{source}]")
     if template != "decode" and analysis.score_mod is not None and analysis.score_mod.terms:
@@ -304,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default=list(bench_lib.IMPLS))
   bench.add_argument("--warmup", type=_positive_int, default=3)
   bench.add_argument("--reps", type=_positive_int, default=10)
+  bench.add_argument("--json", metavar="PATH", default=None,
+                     help="also write the rows as a results file (benchmarks' schema)")
   bench.set_defaults(run=cmd_bench)
 
   explain = commands.add_parser("explain", help="show what the compiler decides for a variant")

@@ -216,12 +216,24 @@ def test_bench_fwd_bwd_xla(capsys, variant_file):
 
 
 def test_format_table():
-  table = bench.format_table([bench.BenchRow("causal", "xla", 1.23456, 7.891),
-                              bench.BenchRow("causal", "cudnn", None, None, "needs a GPU")])
+  table = bench.format_table([bench.Row("causal", "xla", "fwd", 1.23456, tflops=7.891),
+                              bench.Row("causal", "cudnn", "fwd", None, note="needs a GPU")])
   lines = table.splitlines()
-  assert lines[0].split() == ["variant", "impl", "time", "ms", "TFLOP/s", "note"]
-  assert lines[1].split() == ["causal", "xla", "1.235", "7.89"]
-  assert lines[2].split()[:4] == ["causal", "cudnn", "n/a", "n/a"]
+  assert lines[0].split() == ["case", "impl", "mode", "measure", "ms", "rate", "note"]
+  assert lines[1].split() == ["causal", "xla", "fwd", "throughput", "1.235", "7.89", "TFLOP/s"]
+  assert lines[2].split()[:5] == ["causal", "cudnn", "fwd", "throughput", "n/a"]
+
+
+def test_bench_writes_results_file(capsys, tmp_path):
+  path = tmp_path / "bench.json"
+  code, out, err = run(capsys, "bench", "causal", *TINY, "--impls", "xla", "cudnn",
+                       "--warmup", "1", "--reps", "2", "--json", str(path))
+  assert code == 0, err
+  doc = json.loads(path.read_text())
+  assert doc["schema"] == bench.SCHEMA and doc["benchmark"] == "cli"
+  assert {"device", "date", "versions", "commit"} <= doc.keys() and "jax" in doc["versions"]
+  by_impl = {r["impl"]: r for r in doc["rows"]}
+  assert by_impl["xla"]["time_ms"] > 0 and by_impl["cudnn"]["time_ms"] is None
 
 
 def test_demo_delegates(capsys, monkeypatch):

@@ -189,7 +189,7 @@ def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
   128; 64 for a single short q block), 128 keys per step up to heads of
   128 and 64 beyond (shared memory), a two-slot K/V ring. Heads of at most
   64 without a mask take 256 keys per step: fewer, longer steps for the same
-  small K/V tiles (H200 sweep, sweep_mosaic_forward_2026-11-23_h200_d64.json:
+  small K/V tiles (H200 sweep, benchmarks/results/2026-11-23_h200/sweep_mosaic_forward_d64.json:
   vanilla 420 -> 471 TFLOP/s; causal 395 -> 375, so masked variants keep
   128). num_warps counts the producer's warpgroup too."""
   block_q = 64 if seq_q <= 64 else 128

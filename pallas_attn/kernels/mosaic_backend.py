@@ -221,9 +221,10 @@ def diagonal_tile(pairs, shape, rows_are_queries: bool):
   ratios to ALiBi on an H200 (causal, B4 H16 S4096 d128), forward+backward:
   a load per position 1.35 (ptxas: 656 bytes of spill stores in the dk/dv
   kernel), one per distinct position 1.13 (332; same run), one per distinct
-  pair 1.07 (196; bench_parity rounds). Forward: a bank of dense tiles 1.51,
-  a gather at computed positions 1.33, a load per position 1.03 (same run),
-  pairs 1.10 (bench_parity rounds)."""
+  pair 1.07 (196; the rounds of benchmarks/results/2026-11-24_h200/
+  parity_term_pairs.json). Forward: a bank of dense tiles 1.51, a gather at
+  computed positions 1.33, a load per position 1.03 (same run), pairs 1.10
+  (the same rounds)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, vector
 

@@ -15,7 +15,8 @@ MAX_CALLS_PER_WINDOW = 200
 
 
 def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
-                   window_ms: float = WINDOW_MS) -> float:
+                   window_ms: float = WINDOW_MS,
+                   wait: Callable = jax.block_until_ready) -> float:
   """Median milliseconds per call of `fn()` (a zero-arg callable returning
   arrays), as device throughput.
 
@@ -27,14 +28,16 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
   `window_ms`. Waiting after every call instead adds the host's dispatch
   and wait to each: 50-70 us on an H200, up to 40% of a 0.2 ms kernel.
   (Triton's `do_bench` does that for JAX: its events are recorded on
-  PyTorch's stream, which JAX does not run on.)
+  PyTorch's stream, which JAX does not run on.) `wait(out)` blocks until
+  `out` is computed: pass `lambda _: torch.cuda.synchronize()` to time a
+  PyTorch call the same way.
   """
   if reps < 1 or warmup < 1:
     raise ValueError(f"warmup and reps must be >= 1, got {warmup}, {reps}")
   for _ in range(warmup - 1):
-    jax.block_until_ready(fn())
+    wait(fn())
   start = time.perf_counter()
-  jax.block_until_ready(fn())
+  wait(fn())
   estimate_ms = (time.perf_counter() - start) * 1e3
   calls = max(1, min(MAX_CALLS_PER_WINDOW,
                      math.floor(window_ms / max(estimate_ms, 1e-3))))
@@ -43,41 +46,9 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
     start = time.perf_counter()
     for _ in range(calls):
       out = fn()
-    jax.block_until_ready(out)
+    wait(out)
     times.append((time.perf_counter() - start) * 1e3 / calls)
   return statistics.median(times)
-
-
-def amortized_time_ms(fn: Callable, *args, warmup: int = 3, reps: int = 10,
-                      target_ms: float = 4.0, max_copies: int = 8) -> float:
-  """Milliseconds of one `fn(*args)` inside a jitted program (`median_time_ms`).
-
-  Short calls run as `copies` independent calls on copies of the inputs in
-  one jitted program (distinct buffers: XLA cannot merge them), sized so
-  that the program takes about `target_ms`, and the median program time is
-  divided by `copies`. The copies amortize the per-program dispatch and keep
-  a call from finding its inputs in L2 from the call before, as a layer's
-  attention would not (peers timed with `do_bench` flush L2 between calls).
-  """
-  return amortized_timer(fn, *args, target_ms=target_ms,
-                         max_copies=max_copies)(warmup=warmup, reps=reps)
-
-
-def amortized_timer(fn: Callable, *args, target_ms: float = 4.0,
-                    max_copies: int = 8) -> Callable[..., float]:
-  """Compiles `amortized_time_ms`'s program once and returns a function that
-  times it (keyword arguments warmup, reps), for interleaved repeats."""
-  single = jax.jit(fn)
-  jax.block_until_ready(single(*args))
-  estimate = median_time_ms(lambda: single(*args), warmup=1, reps=3)
-  copies = max(1, min(max_copies, math.ceil(target_ms / max(estimate, 1e-3))))
-  run = lambda: single(*args)
-  if copies > 1:
-    arg_sets = [args] + [jax.tree.map(lambda a: a.copy(), args) for _ in range(copies - 1)]
-    batched = jax.jit(lambda sets: [fn(*a) for a in sets])
-    jax.block_until_ready(batched(arg_sets))
-    run = lambda: batched(arg_sets)
-  return lambda warmup=3, reps=10: median_time_ms(run, warmup=warmup, reps=reps) / copies
 
 
 def mask_density(mask_mod: Callable | None, seq_q: int, seq_kv: int, *,

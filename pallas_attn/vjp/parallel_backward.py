@@ -121,10 +121,10 @@ def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> A
   program over kv steps of block_k; the dk/dv pass block_k keys per program
   over q steps of block_q. For d=128, 64x64 tiles on 4 warps, 2 stages ran
   fwd+bwd at 318 / 380 TFLOP/s (S 4k / 16k, H200, bf16) against 184 / 201
-  with 64x128 on 8 warps (benchmarks/results/sweep_order_backward_h200.json).
+  with 64x128 on 8 warps (benchmarks/results/2026-11-21_h200/sweep_order_backward.json).
   Wider heads (where the Mosaic backward does not run yet): 64x32 on 4 warps
   ran d=256 at 289 TFLOP/s and Dqk 192 / Dv 128 at 250, against 87 / 158
-  with 32x64 (H100, sweep_backward_wide_2026-11-23_h100.json).
+  with 32x64 (H100, benchmarks/results/2026-11-23_h100/sweep_backward_wide.json).
   """
   if max(d_qk, d_v) <= 128:
     cfg = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)

@@ -1,5 +1,5 @@
 """Plain-JAX linear attention: a token-by-token `lax.scan` reference and a
-chunked jnp version (the pure-XLA baseline of `benchmarks/bench_linear.py`).
+chunked jnp version (the pure-XLA baseline of `benchmarks/linear.py`).
 """
 from __future__ import annotations
 

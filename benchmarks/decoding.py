@@ -1,0 +1,130 @@
+"""How fast is split-KV decoding against cuDNN, FlexAttention, SDPA and our
+parallel template?
+
+    python benchmarks/decoding.py [--cases b8_32k b1_128k] [--impls decode cudnn]
+
+Cases (bf16, Hq 32, Hkv 8, d 128, every sequence holding the whole cache):
+Sq 1 at B8 8k, B8 32k, B1 128k, B64 4k; Sq 4 at B8 32k and B1 128k; a
+4096-key sliding window (causal) over B8 32k and B1 128k caches.
+Implementations: decode = `decode_attention` (kv_lengths = S); paged =
+`paged_attention` on the same keys in 16-key pages (vLLM's default),
+shuffled; attention = `attention` (Sq <= 16 dispatches to the split-KV
+template); parallel = `attention` with the parallel template's heuristic
+config (the path before split-KV); cudnn = `dot_product_attention` with
+query and key lengths (without, if cuDNN refuses them), for the window on the
+window's keys sliced beforehand (the same work, no mask); flex and sdpa
+(PyTorch, GQA; the window as a block mask built once). By throughput, and
+by kernel time in alternating rounds (ratios: theirs / decode's per round).
+GB/s count the K/V bytes the attended keys occupy (the window's for the
+window rows); the device's HBM peak is in the results' notes. Writes
+`decoding.json` to `--out`.
+"""
+from __future__ import annotations
+
+import harness
+
+import jax  # noqa: E402 (after harness: it sets JAX's memory for PyTorch)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_attn as pa  # noqa: E402
+from pallas_attn import bench  # noqa: E402
+from pallas_attn.schedule.config import heuristic_config  # noqa: E402
+
+HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 16
+CASES = {  # name: (batch, seq, seq_q, window)
+    "b8_8k": (8, 8192, 1, None), "b8_32k": (8, 32768, 1, None),
+    "b1_128k": (1, 131072, 1, None), "b64_4k": (64, 4096, 1, None),
+    "b8_32k_sq4": (8, 32768, 4, None), "b1_128k_sq4": (1, 131072, 4, None),
+    "b8_32k_window4k": (8, 32768, 1, 4096), "b1_128k_window4k": (1, 131072, 1, 4096),
+}
+SMALL = {"b2_512": (2, 512, 1, None), "b1_1k_sq4": (1, 1024, 4, None),
+         "b1_1k_window256": (1, 1024, 1, 256)}
+IMPLS = ("decode", "paged", "attention", "parallel", "cudnn", "flex", "sdpa")
+HBM_TB_S = {"h100": 3.35, "h200": 4.8, "b200": 8.0}  # peak, SXM parts
+
+
+def paged(x, seed=0):
+  """(pages `[B*S/P, P, Hkv, D]` in shuffled order, page table `[B, S/P]`)."""
+  b, s = x.shape[:2]
+  pages = x.reshape(b * s // PAGE, PAGE, *x.shape[2:])
+  order = np.random.default_rng(seed).permutation(pages.shape[0])
+  stored = jnp.zeros_like(pages).at[order].set(pages)
+  return stored, jnp.asarray(order.reshape(b, s // PAGE), jnp.int32)
+
+
+def compiled(fn, *args):
+  jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*args))
+  return lambda: jitted(*args)
+
+
+def cudnn_call(q, k, v, lengths, keys_read):
+  """cuDNN on the last `keys_read` keys, with query and key lengths where it takes them."""
+  first = k.shape[1] - keys_read
+  k, v = k[:, first:], v[:, first:]
+  queries = jnp.full_like(lengths, q.shape[1])
+  try:
+    return compiled(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, query_seq_lengths=queries, key_value_seq_lengths=n, implementation="cudnn"),
+        q, k, v, jnp.full_like(lengths, keys_read))
+  except Exception:  # refused lengths: the whole (sliced) cache, the same work here
+    return compiled(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                 implementation="cudnn"), q, k, v)
+
+
+def builders(name, spec, impls):
+  """({(case, impl, "decode"): build}, K/V gigabytes read) of one case."""
+  batch, seq, seq_q, window = spec
+  c = bench.case(name, "vanilla" if window is None else f"window{window}", batch, seq,
+                 seq_q=seq_q, heads=HEADS, kv_heads=KV_HEADS, d_qk=D)
+  inputs = bench.make_inputs(c)
+  q, k, v = inputs.q, inputs.k, inputs.v
+  lengths = jnp.full((batch,), seq, jnp.int32)
+  unaligned = {} if window is None else pa.variants.sliding_window(window).kwargs()
+  aligned = c.build().kwargs(None)
+  keys_read = min(seq, (window or seq) + seq_q - 1)
+
+  def paged_call():
+    (k_pages, table), (v_pages, _) = paged(k), paged(v)
+    return compiled(lambda q, kp, vp, t, n: pa.paged_attention(q, kp, vp, t, n, **unaligned),
+                    q, k_pages, v_pages, table, lengths)
+  config = heuristic_config(seq_q, seq, D, D, block_sparse=window is not None)
+  calls = {
+      "decode": lambda: compiled(lambda q, k, v, n: pa.decode_attention(q, k, v, n, **unaligned),
+                                 q, k, v, lengths),
+      "paged": paged_call,
+      "attention": lambda: compiled(lambda q, k, v: pa.attention(q, k, v, **aligned), q, k, v),
+      "parallel": lambda: compiled(lambda q, k, v: pa.attention(q, k, v, config=config,
+                                                                **aligned), q, k, v),
+      "cudnn": lambda: cudnn_call(q, k, v, lengths, keys_read),
+      "flex": lambda: harness.torch_call("flex", c, "fwd", inputs),
+      "sdpa": lambda: harness.torch_call("sdpa", c, "fwd", inputs),
+  }
+  gbytes = batch * KV_HEADS * keys_read * 2 * D * 2 / 1e9
+  return {(name, impl, "decode"): calls[impl] for impl in impls}, gbytes
+
+
+def main(argv=None):
+  parser = harness.parser(__doc__.splitlines()[0])
+  parser.add_argument("--cases", nargs="+", default=None, help="case names (default: all)")
+  parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+  args = parser.parse_args(argv)
+  cases = SMALL if args.small else CASES
+  budget = harness.Budget(args.budget_s)
+  rows, ratios = [], []
+  for name, spec in cases.items():
+    if args.cases and name not in args.cases:
+      continue
+    found, gbytes = builders(name, spec, args.impls)
+    r, q = harness.measure_calls(found, rounds=args.rounds, budget=budget,
+                                 gbytes={(name, "decode"): gbytes})
+    rows += r
+    ratios += q
+  kind = jax.devices()[0].device_kind.lower()
+  peak = next((tb for part, tb in HBM_TB_S.items() if part in kind), None)
+  harness.finish(args, "decoding", rows, ratios, notes=f"HBM peak {peak} TB/s" if peak else "")
+
+
+if __name__ == "__main__":
+  main()

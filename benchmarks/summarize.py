@@ -1,0 +1,595 @@
+"""Regenerates benchmarks/results/SUMMARY.md: the current tables against the
+targets, from the newest results.
+
+    python benchmarks/summarize.py
+
+Results live in `benchmarks/results/<date>_<device>/`, in the harness's
+schema (`pallas_attn.bench.SCHEMA`). Each table comes from the newest folder
+whose files hold all of its cells, each cell from the latest file there that
+has it, and names those files. A ratio is the per-round median [range] the
+run recorded for it, else the ratio of the two times. Hand-written context
+comes from results/NOTES.md, one `## <key>` section per table.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import statistics
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SCHEMA = "pallas_attn.bench/1"  # pallas_attn.bench.SCHEMA (no JAX needed here)
+WALL = ("throughput", "amortized", "do_bench", "events")  # a wall-clock measure, newest first
+OURS = "pallas_attn:mosaic_gpu"
+MODES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+TABLES = [("table", "rel_table_4k"), ("T5", "t5_buckets_4k")]
+METHOD = ("Method. bf16 unless said; TFLOP/s count unmasked (q, kv) pairs, a backward counts "
+          "2.5 forwards. JAX and PyTorch calls are timed by device throughput (`median_time_ms`: "
+          "back-to-back calls, one wait per window) and, with PyTorch on the GPU, by kernel time "
+          "(CUPTI), in alternating rounds: a ratio is the median [range] of the per-round ratios "
+          "where the run recorded rounds, else the ratio of two times. Never `do_bench` on JAX "
+          "(its events time JAX's dispatch too: 50-70 us per call). Runs before 2026-11-22 timed "
+          "JAX by `amortized_time_ms` (copies of a call in one program), PyTorch by `do_bench` "
+          "or CUDA events; every row names its measure. One kernel varies by up to ~10% between "
+          "runs. Each table names its files under `benchmarks/results/`; git has earlier tables.")
+
+
+class Folder:
+  """The results files of one `<date>_<device>` folder, latest first."""
+
+  def __init__(self, path: str):
+    self.files = []
+    for name in glob.glob(os.path.join(path, "*.json")):
+      with open(name) as f:
+        doc = json.load(f)
+      if isinstance(doc, dict) and doc.get("schema") == SCHEMA and not doc.get("small"):
+        doc["path"] = os.path.relpath(name, RESULTS)
+        self.files.append(doc)
+    self.files.sort(key=lambda d: (d.get("time", d["date"]), d["path"]), reverse=True)
+
+
+class Source:
+  """One table's cells: the newest folder holding measurements of all of
+  `required` [(case, impl, mode, measures)], and the files its cells came from."""
+
+  def __init__(self, folders: list[Folder], required: list):
+    self.used = []
+    for folder in folders:
+      self.files = folder.files
+      if all(self._find(*key, measured=True) for key in required):
+        complete = [d for d in folder.files  # files holding them all come first
+                    if all(self._find(*key, [d], measured=True) for key in required)]
+        self.files = complete + [d for d in folder.files if d not in complete]
+        return
+    raise LookupError(f"no results hold {required[0]}")
+
+  def _find(self, case, impl, mode, measures, files=None, measured=False):
+    for measure in measures:
+      for doc in files or self.files:
+        for r in doc["rows"]:
+          if ((r["case"], r["impl"], r["mode"], r["measure"]) == (case, impl, mode, measure)
+              and not (measured and r["time_ms"] is None and "bytes" not in r["extra"])):
+            return doc, r
+    return None
+
+  def row(self, case, impl, mode, measures=("kernel",)) -> dict | None:
+    found = self._find(case, impl, mode, measures)
+    if found is None:
+      return None
+    if found[0] not in self.used:
+      self.used.append(found[0])
+    return found[1]
+
+  def failure(self, case, impl, mode) -> str | None:
+    """The note of a row that could not run, whatever its measure."""
+    for doc in self.files:
+      for r in doc["rows"]:
+        if (r["case"], r["impl"], r["mode"]) == (case, impl, mode) and r["time_ms"] is None:
+          return r["note"]
+    return None
+
+  def ratio(self, of, over, measures=("kernel",)) -> tuple[float, list] | None:
+    """(value, [low, high] or None): time of `of` over `over`, each (case, impl, mode)."""
+    for doc in self.files:
+      for r in doc["ratios"]:
+        if (r["measure"] in measures and (tuple(r["of"].values()),
+                                          tuple(r["over"].values())) == (of, over)):
+          return r["median"], r["range"]
+    a, b = self.row(*of, measures), self.row(*over, measures)
+    if a and b and a["time_ms"] and b["time_ms"]:
+      return a["time_ms"] / b["time_ms"], None
+    return None
+
+  def caption(self) -> str:
+    """Device, date, versions and commit of the files used, and their names."""
+    doc = self.used[0]
+    versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items()
+                         if v and k in ("jax", "torch", "triton", "flash-linear-attention"))
+    commit = f"; commit {doc['commit']}" if doc.get("commit") else ""
+    files = ", ".join(f"`{d['path']}`" for d in self.used)
+    return f"{doc['device']}, {doc['date']}, {versions}{commit}. Files: {files}."
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+  return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+          + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def num(x, spec=".2f") -> str:
+  return "–" if x is None else format(x, spec)
+
+
+def tflops(row) -> str:
+  return "–" if row is None or row["tflops"] is None else f"{row['tflops']:.0f}"
+
+
+def mib(row) -> str:
+  return "–" if not row else f"{row['extra']['bytes'] / 2**20:.0f} MiB"
+
+
+def decimal_bytes(row) -> str:
+  if not row:
+    return "–"
+  if "bytes" not in row["extra"]:
+    return "does not compile"
+  size = row["extra"]["bytes"]
+  return f"{size / 1e9:.3g} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+
+
+def ratio_cell(found, with_range=False, spec=".2f") -> str:
+  if found is None:
+    return "–"
+  value, span = found
+  text = format(value, spec)
+  if with_range and span:
+    text += f" [{span[0]:{spec}}-{span[1]:{spec}}]"
+  return text
+
+
+def met(ok: bool) -> str:
+  return "met" if ok else "**missed**"
+
+
+class Failures:
+  """Cells whose implementation could not run: "fails*", the reasons under the table."""
+
+  def __init__(self):
+    self.notes = {}
+
+  def cell(self, src: Source, case, impl, mode) -> str:
+    note = src.failure(case, impl, mode)
+    if not note:
+      return "–"
+    self.notes.setdefault(note, f"{impl} {mode}")
+    return "fails*"
+
+  def lines(self) -> list[str]:
+    return [""] + [f"\\* {where}: {note[:150]}" for note, where in self.notes.items()]
+
+
+# ----------------------------------------------------------------------------- tables
+
+VARIANT_ROWS = [("vanilla 4k", "vanilla_4k"), ("causal 4k", "causal_4k"),
+                ("vanilla 16k", "vanilla_16k"), ("causal 16k", "causal_16k"),
+                ("softcap 30", "softcap_4k"), ("ALiBi (causal)", "alibi_causal_4k"),
+                ("window 256", "window256_4k"), ("window 1024", "window1024_4k"),
+                ("8 documents (causal)", "documents8_4k"), ("sigmoid", "sigmoid_4k"),
+                ("Dqk 192 / Dv 128", "vanilla_4k_dqk192"), ("d 64", "vanilla_4k_d64"),
+                ("d 256", "vanilla_4k_d256")]
+ISSUE_VARIANTS = VARIANT_ROWS[:11]  # d 64 and d 256 are not among issue 15's variants
+
+
+def variants(folders) -> list[str]:
+  src = Source(folders, [(c, OURS, m, ("kernel",)) for _, c in VARIANT_ROWS
+                         for m in ("fwd", "fwd_bwd")])
+  peers = ("cudnn", "flex", "pallas_attn:triton")
+  rows, speed = [], {}
+  for label, c in VARIANT_ROWS:
+    cells = [tflops(src.row(c, impl, "fwd")) for impl in (OURS, *peers, "jax_mosaic_fp16")]
+    cells += [tflops(src.row(c, impl, "fwd_bwd")) for impl in (OURS, *peers)]
+    for peer in peers:
+      for mode in MODES:
+        speed[label, peer, mode] = src.ratio((c, peer, mode), (c, OURS, mode))
+        cells.append(ratio_cell(speed[label, peer, mode], with_range=peer == "cudnn"))
+    rows.append([label] + cells)
+  header = ["row", "ours fwd", "cuDNN fwd", "Flex fwd", "Triton fwd", "JAX Mosaic fwd (fp16)",
+            "ours f+b", "cuDNN f+b", "Flex f+b", "Triton f+b", "fwd / cuDNN", "f+b / cuDNN",
+            "fwd / Flex", "f+b / Flex", "fwd / Triton", "f+b / Triton"]
+  lines = [src.caption(), "", *table(header, rows), "", "Targets (issue 15):"]
+  for mode, floor in (("fwd", 1.0), ("fwd_bwd", 0.9)):
+    found = {label: speed[label, "cudnn", mode] for label, _ in VARIANT_ROWS[:4]}
+    lowest = min(f[1][0] if f[1] else f[0] for f in found.values())
+    lines.append(f"- {MODES[mode].capitalize()} >= {floor}x cuDNN on vanilla and causal: "
+                 + ", ".join(f"{label} {f[0]:.2f}" for label, f in found.items())
+                 + f" (lowest round {lowest:.2f}): "
+                 f"{met(min(f[0] for f in found.values()) >= floor)}.")
+  for peer, rows_of, floor, what in (
+      ("flex", ISSUE_VARIANTS, 1.2, "Every variant of the issue (rows to Dqk 192) >= 1.2x Flex"),
+      ("pallas_attn:triton", VARIANT_ROWS, 1.0, "Never slower than our Triton template")):
+    found = sorted((speed[label, peer, m], label, m) for label, _ in rows_of
+                   for m in MODES if speed[label, peer, m])
+    (low, label, mode), high = found[0], found[-1][0]
+    lines.append(f"- {what}, forward and forward+backward: {ratio_cell(low, True)} ({label} "
+                 f"{MODES[mode]}) to {high[0]:.2f}: {met(low[0] >= floor)}.")
+  return lines + memory_line(folders)
+
+
+def memory_line(folders) -> list[str]:
+  src = Source(folders, [(f"vanilla_{s}", OURS, m, ("compiled_memory",))
+                         for s in ("16k", "64k") for m in MODES])
+  size = {(impl, s, m): mib(src.row(f"vanilla_{s}", impl, m, ("compiled_memory",)))
+          for impl in (OURS, "cudnn") for s in ("16k", "64k") for m in MODES}
+  return [f"- Memory linear in S (XLA's compiled temporaries + outputs, B1 H16 d128, vanilla; "
+          f"`{src.used[0]['path']}`): forward {size[OURS, '16k', 'fwd']} at 16k and "
+          f"{size[OURS, '64k', 'fwd']} at 64k, forward+backward {size[OURS, '16k', 'fwd_bwd']} / "
+          f"{size[OURS, '64k', 'fwd_bwd']} (cuDNN {size['cudnn', '16k', 'fwd_bwd']} / "
+          f"{size['cudnn', '64k', 'fwd_bwd']})."]
+
+
+TERM_ROWS = [("ALiBi (arithmetic bias, separable)", "alibi_causal_4k"),
+             ("relative-position table `t[h, q-kv+S-1]`", "rel_table_4k"),
+             ("T5 buckets `t[h, bucket(q-kv)]`, 32 buckets", "t5_buckets_4k"),
+             ("vanilla causal", "causal_4k"), ("sinks (per-head logits)", "sink_4k")]
+DTABLE_ROWS = [("relative table, table differentiated", "rel_table_dtable_4k"),
+               ("T5 buckets, table differentiated", "t5_buckets_dtable_4k")]
+
+
+def terms(folders) -> list[str]:
+  fails = Failures()
+  out = []
+  for rows_spec, modes in ((TERM_ROWS, MODES), (DTABLE_ROWS, ("fwd_bwd",))):
+    src = Source(folders, [(c, "pallas_attn", m, ("kernel",)) for _, c in rows_spec
+                           for m in modes])
+    where = f" ({src.files[0]['device'].split()[1]}, {src.files[0]['date']})" if out else ""
+    for label, c in rows_spec:
+      cells = []
+      for mode in MODES:
+        ours, flex = src.row(c, "pallas_attn", mode), src.row(c, "flex", mode)
+        cells += [tflops(ours), tflops(flex) if flex else fails.cell(src, c, "flex", mode),
+                  ratio_cell(src.ratio((c, "flex", mode), (c, "pallas_attn", mode)))]
+      out.append(([label + where] + cells, src))
+  header = ["variant", "ours fwd", "Flex fwd", "ours/Flex fwd", "ours f+b", "Flex f+b",
+            "ours/Flex f+b"]
+  main, dtable = out[0][1], out[-1][1]
+  flex = lambda c, m: main.ratio((c, "flex", m), (c, "pallas_attn", m))[0]
+  ours_fb = lambda c: (c, "pallas_attn", "fwd_bwd")
+  cost = " / ".join(f"{dtable.ratio(ours_fb(c), ours_fb(without))[0]:.1f}x"
+                    for (_, c), (_, without) in zip(DTABLE_ROWS, TABLES))
+  lines = [main.caption() + f" Table-differentiated rows ({cost} the forward+backward without, "
+           f"same run): {dtable.caption()}", "",
+           *table(header, [r for r, _ in out]), *fails.lines(), "", "Targets (issue 14):",
+           "- At least 1.0x Flex, forward and forward+backward, for both tables: " + ", ".join(
+               f"{name} {flex(c, 'fwd'):.2f} / {flex(c, 'fwd_bwd'):.2f}" for name, c in TABLES)
+           + f": {met(min(flex(c, m) for _, c in TABLES for m in MODES) >= 1.0)}."]
+  for what, pairs, ceiling in (
+      ("A gather at most 1.15x ALiBi's time", [(n, c, "alibi_causal_4k") for n, c in TABLES],
+       1.15), ("Sinks within 5% of vanilla", [("sink / causal", "sink_4k", "causal_4k")], 1.05)):
+    found = {(c, m): main.ratio((c, "pallas_attn", m), (d, "pallas_attn", m))
+             for _, c, d in pairs for m in MODES}
+    lines.append(f"- {what}: " + "; ".join(f"{MODES[m]} " + ", ".join(
+        f"{name} {ratio_cell(found[c, m], True, '.3f')}" for name, c, _ in pairs) for m in MODES)
+        + f": {met(max(f[0] for f in found.values()) <= ceiling)}.")
+  return lines
+
+
+def block_mask(folders) -> list[str]:
+  masks = [("causal", "causal"), ("window 1024", "window1024"), ("8 documents", "documents8")]
+  seqs = ("4k", "8k", "16k")
+  src = Source(folders, [(f"{m}_{s}", "pallas_attn", "build", ("wall",)) for _, m in masks
+                         for s in seqs])
+  ms = lambda c, impl: (src.row(c, impl, "build", ("wall",)) or {}).get("time_ms")
+  rows = [[s] + [num(ms(f"{m}_{s}", impl), ".3f") for _, m in masks
+                 for impl in ("pallas_attn", "flex")] for s in seqs]
+  header = ["S"] + [f"{label} {side} ms" for label, _ in masks for side in ("ours", "Flex")]
+  ways = ("prebuilt", "built_in_jit", "built_in_jit_no_bounds", "closed_over")
+  fwd = {(w, m): src.row("documents8_16k", w, "fwd", measures)["time_ms"]
+         for w in ways for m, measures in (("wall", WALL), ("kernel", ("kernel",)))}
+  vs = lambda w: " / ".join(f"{(fwd[w, m] / fwd['prebuilt', m] - 1) * 100:+.0f}%"
+                            for m in ("wall", "kernel"))
+  worst = max(ms(f"{m}_16k", "pallas_attn") for _, m in masks)
+  added = max(fwd["built_in_jit", m] / fwd["prebuilt", m] - 1 for m in ("wall", "kernel"))
+  return [src.caption() + " Eager builds, B1 H16: the median call after the first, each "
+          "waited for.", "", *table(header, rows), "",
+          "Document-masked forward at 16k (bf16 B1 H16 d128), ms by throughput / kernel time: "
+          + "; ".join(f"{w} {fwd[w, 'wall']:.3f} / {fwd[w, 'kernel']:.3f}"
+                      + ("" if w == "prebuilt" else f" ({vs(w)})") for w in ways) + ".",
+          "", "Targets (issue 14, item 3):",
+          f"- An eager build under 1 ms at 16k after the first call: at most {worst:.3f} ms: "
+          f"{met(worst < 1.0)}.",
+          f"- Building inside jit adds at most 10% to a 16k document-masked forward: "
+          f"{vs('built_in_jit')}: {met(added <= 0.10)}."]
+
+
+TRAIN_ROWS = [("Flax, softcap 30 (cuDNN cannot)", "train_lm_flax_softcap", "xla",
+               "XLA (dense jnp)"),
+              ("Flax, vanilla (causal)", "train_lm_flax_vanilla", "cudnn", "cuDNN"),
+              ("Flax, vanilla", "train_lm_flax_vanilla", "xla", "XLA"),
+              ("Equinox, vanilla", "train_lm_equinox_vanilla", "equinox",
+               "`eqx.nn.MultiheadAttention`")]
+
+
+def train_example(folders) -> list[str]:
+  step = lambda c, impl: (c, impl, "train_step", ("throughput",))
+  src = Source(folders, [step(c, impl) for _, c, peer, _ in TRAIN_ROWS
+                         for impl in ("pallas_attn", peer)])
+  rows, ratio = [], {}
+  for label, c, peer, peer_label in TRAIN_ROWS:
+    ours, theirs = src.row(*step(c, "pallas_attn")), src.row(*step(c, peer))
+    speed = lambda r: f"{r['extra']['tokens_per_s'] / 1e3:.1f}k tok/s ({r['time_ms']:.1f} ms)"
+    ratio[peer, c] = ours["extra"]["tokens_per_s"] / theirs["extra"]["tokens_per_s"]
+    rows.append([label, speed(ours), f"{peer_label} {speed(theirs)}", f"{ratio[peer, c]:.2f}x",
+                 f"{ours['extra']['final_loss']:.3f} / {theirs['extra']['final_loss']:.3f}"])
+  cudnn, xla = ratio["cudnn", "train_lm_flax_vanilla"], ratio["xla", "train_lm_flax_softcap"]
+  return [src.caption(), "", *table(["run", "ours", "peer", "ratio", "final loss ours / peer"],
+                                    rows), "", "Targets (issue 16):",
+          f"- Within 5% of the cuDNN model where cuDNN expresses the variant: {cudnn:.2f}x: "
+          f"{met(cudnn >= 0.95)}.",
+          f"- At least 3x the XLA model where it cannot: {xla:.2f}x: {met(xla >= 3.0)}."]
+
+
+DECODE_ROWS = [("B8 8k", "b8_8k"), ("B8 32k", "b8_32k"), ("B1 128k", "b1_128k"),
+               ("B64 4k", "b64_4k"), ("B8 32k, Sq=4", "b8_32k_sq4"),
+               ("B1 128k, Sq=4", "b1_128k_sq4"), ("B8 32k, window 4096", "b8_32k_window4k"),
+               ("B1 128k, window 4096", "b1_128k_window4k")]
+
+
+def decoding(folders) -> list[str]:
+  impls = ["decode", "paged", "attention", "parallel", "cudnn", "flex", "sdpa"]
+  src = Source(folders, [(c, "decode", "decode", WALL) for _, c in DECODE_ROWS])
+  cell = {(c, i): src.row(c, i, "decode", WALL) for _, c in DECODE_ROWS for i in impls}
+  impls = [i for i in impls if any(cell[c, i] for _, c in DECODE_ROWS)]
+
+  def text(c, i):
+    r = cell[c, i]
+    if r is None or r["time_ms"] is None:
+      return "–"
+    return f"{r['time_ms']:.4f}" + ("" if "window" in c else f" \\| {r['gb_s'] / 1e3:.2f}")
+  rows = [[label] + [text(c, i) for i in impls] for label, c in DECODE_ROWS]
+  found = re.search(r"HBM peak ([\d.]+) TB/s", src.used[0]["notes"])
+  peak = float(found[1]) if found else float("nan")
+  over = lambda c, i: cell[c, i]["time_ms"] / cell[c, "decode"]["time_ms"]
+  fraction = {c: cell[c, "decode"]["gb_s"] / 1e3 / peak for c in ("b8_32k", "b1_128k")}
+  sq1 = [over(c, "cudnn") for c in ("b8_8k", "b8_32k", "b1_128k", "b64_4k")]
+  sq4 = [over(c, "cudnn") for c in ("b8_32k_sq4", "b1_128k_sq4")]
+  flex = [over(c, "flex") for c in ("b8_8k", "b8_32k", "b1_128k")]
+  parallel = [over(c, "parallel") for _, c in DECODE_ROWS if "window" not in c]
+  flex_b64 = cell["b64_4k", "flex"]["gb_s"] / 1e3 / peak
+  return [src.caption() + f" ms \\| TB/s of K/V bytes read (HBM peak {peak} TB/s); window "
+          "rows in ms, cuDNN on the keys sliced to the window.", "",
+          *table(["case", *impls], rows), "", "Targets (issue 17):",
+          f"- HBM fraction at B8 32k {fraction['b8_32k']:.2f} and B1 128k "
+          f"{fraction['b1_128k']:.2f} (>= 0.80): {met(min(fraction.values()) >= 0.795)}.",
+          f"- Against cuDNN {min(sq1):.2f}-{max(sq1):.2f}x at Sq=1, " + " / ".join(
+              f"{x:.1f}x" for x in sq4) + f" at Sq=4 (>= 1.0): {met(min(sq1 + sq4) >= 1.0)}.",
+          "- Against Flex " + " / ".join(f"{x:.1f}x" for x in flex) + " at B8 8k / B8 32k / B1 "
+          f"128k (>= 3x): {met(min(flex) >= 3.0)}; {over('b64_4k', 'flex'):.2f}x at B64 4k, "
+          f"where Flex itself reads at {flex_b64:.0%} of peak (3x is past the HBM limit).",
+          "- A 4096 window reads only the window: " + " and ".join(
+              f"{cell[c, 'decode']['time_ms']:.4f} ms over {size}" for c, size in (
+                  ("b1_128k_window4k", "a 128k cache"), ("b8_32k_window4k", "32k")))
+          + f". The parallel template is {min(parallel):.1f}-{max(parallel):.1f}x slower."]
+
+
+def multi_gpu(folders) -> list[str]:
+  cell = lambda impl, mode: ("causal_128k", impl, mode, ("throughput",))
+  src = Source(folders, [cell(impl, m) for impl in ("pallas_attn", "ring") for m in MODES])
+  rows, speedups, peaks = [], [], []
+  for mode in MODES:
+    one, ring = src.row(*cell("pallas_attn", mode)), src.row(*cell("ring", mode))
+    gib = lambda r, key: max(r["extra"][key]) if isinstance(r["extra"][key], list) else (
+        r["extra"][key])  # peaks are per GPU
+    speedups.append(one["time_ms"] / ring["time_ms"])
+    peaks.append(gib(ring, "peak_bytes_per_gpu") / gib(one, "peak_bytes_per_gpu"))
+    rows.append([mode, f"{one['time_ms']:.1f}", f"{ring['time_ms']:.1f}", f"{speedups[-1]:.2f}x",
+                 f"{ring['tflops'] / ring['extra']['devices']:.0f}",
+                 " / ".join(f"{gib(r, 'peak_bytes_per_gpu') / 2**30:.2f}" for r in (one, ring)),
+                 " / ".join(f"{gib(r, 'compiled_bytes_per_gpu') / 2**30:.2f}"
+                            for r in (one, ring))])
+  header = ["S = 128k", "1 GPU ms", "ring ms", "speedup", "ring TFLOP/s per GPU",
+            "peak GiB per GPU, 1 GPU / ring", "compiled GiB, 1 GPU / ring"]
+  return [src.caption(), "", *table(header, rows), "", "Targets (issue 18):",
+          "- At least 1.8x at 128k: " + " / ".join(f"{x:.2f}x" for x in speedups)
+          + f": {met(min(speedups) >= 1.8)}.",
+          "- Memory per GPU about half of one GPU's: the ring's peak is " + " / ".join(
+              f"{x:.2f}x" for x in peaks) + f" one GPU's: {met(max(peaks) <= 0.6)}."]
+
+
+MASK_ROWS = [("vanilla", "vanilla_4k", ""), ("causal", "causal_4k", ""),
+             ("softcap 30", "softcap_4k", ""), ("ALiBi", "alibi_4k", " (dense bias)"),
+             ("sliding window 256", "window256_4k", ""),
+             ("sliding window 1024", "window1024_4k", ""),
+             ("8 documents, causal", "documents8_4k", " (dense mask)")]
+
+
+def earlier(folders) -> list[str]:
+  """Issues resolved on the Triton template: masks, causal, linear attention, backward."""
+  src = Source(folders, [(c, "pallas_attn", "fwd", ("kernel",)) for _, c, _ in MASK_ROWS])
+  rows = [[label, tflops(src.row(c, "pallas_attn", "fwd")), tflops(src.row(c, "flex", "fwd")),
+           tflops(src.row(c, "cudnn:dense", "fwd")) + (dense if src.row(c, "cudnn:dense", "fwd")
+                                                         else ""),
+           tflops(src.row(c, "xla", "fwd", WALL)),
+           ratio_cell(src.ratio((c, "flex", "fwd"), (c, "pallas_attn", "fwd")))]
+          for label, c, dense in MASK_ROWS]
+  lines = ["**Masks, B4 H16 S4096 d128 forward TFLOP/s** (ours with the block mask built once, "
+           "as Flex's; ours, Flex and cuDNN by kernel time, XLA by wall clock). " + src.caption(),
+           "", *table(["variant", "ours", "Flex", "cuDNN", "XLA", "Flex/ours (kernel time)"],
+                      rows), ""]
+  return lines + causal(folders) + linear(folders) + pallas_ref(folders)
+
+
+def causal(folders) -> list[str]:
+  seqs = ("4k", "8k", "16k")
+  src = Source(folders, [(f"{v}_{s}", "pallas_attn", "fwd", ("kernel",))
+                         for v in ("vanilla", "causal") for s in seqs])
+  ours = lambda c: (c, "pallas_attn", "fwd")
+  dense = [src.ratio(ours(f"causal_{s}"), ours(f"vanilla_{s}"))[0] for s in seqs]
+  wall = [src.ratio(ours(f"causal_{s}"), ours(f"vanilla_{s}"), WALL)[0] for s in seqs]
+  ref = [src.ratio((f"causal_{s}", "jax_pallas_mha", "fwd"), ours(f"causal_{s}"))[0]
+         for s in seqs]
+  window = {w: src.row(f"window{w}_16k", "pallas_attn", "fwd", WALL)["time_ms"]
+            for w in (256, 1024)}
+  dense_causal = src.row("causal_16k", "pallas_attn", "fwd", WALL)["time_ms"]
+  join = lambda xs: " / ".join(f"{x:.2f}" for x in xs)
+  return [f"**Causal against dense, 16k tokens (B = 16k / S), S = 4k / 8k / 16k, kernel time.** "
+          f"{src.caption()} Causal / dense {join(dense)} (wall {join(wall)}); JAX's Pallas "
+          f"reference causal / ours causal {join(ref)}. Sliding window at S=16k (wall): "
+          f"{window[256]:.2f} ms (256) and {window[1024]:.2f} ms (1024) against "
+          f"{dense_causal:.2f} ms dense causal. Targets: causal <= 0.55x dense: "
+          f"{met(max(dense) <= 0.55)}; window 1024 >= 5x faster than dense causal at 16k: "
+          f"{dense_causal / window[1024]:.1f}x: {met(dense_causal / window[1024] >= 5)}.", ""]
+
+
+LINEAR_SHAPES = [("GLA H16 Dk=Dv=128", "gla_vector_h16_d128"),
+                 ("scalar decay H16", "scalar_decay_h16_d128"),
+                 ("Mamba2-2.7B H80 N128 P64", "mamba2_2.7b_h80_n128_p64")]
+
+
+def linear(folders) -> list[str]:
+  seqs = ("4k", "8k", "16k")
+  src = Source(folders, [(f"{s}_{n}", "ours", m, ("kernel",)) for _, s in LINEAR_SHAPES
+                         for n in seqs for m in ("fwd", "fwd_bwd")])
+  fails, rows, fla_over, wall = Failures(), [], [], {}
+  for label, shape in LINEAR_SHAPES:
+    for n in seqs:
+      c, cells = f"{shape}_{n}", []
+      for mode in ("fwd", "fwd_bwd"):
+        ours, fla = src.row(c, "ours", mode), src.row(c, "fla", mode)
+        found = src.ratio((c, "fla", mode), (c, "ours", mode))
+        if found and mode == "fwd":
+          fla_over.append(found[0])
+        cells += [f"{ours['time_ms']:#.3g}", f"{fla['time_ms']:#.3g}" if fla else
+                  fails.cell(src, c, "fla", mode), ratio_cell(found) if found else ""]
+        for impl in ("fla", "scan", "xla_chunked"):
+          wall[impl, c, mode] = src.ratio((c, impl, mode), (c, "ours", mode), WALL)
+      rows.append([label if n == "4k" else "", f"{int(n[:-1]) * 1024}", *cells])
+  header = ["shape", "S", "ours fwd", "fla fwd", "fla/ours fwd", "ours f+b", "fla f+b",
+            "fla/ours f+b"]
+  shapes = [s for _, s in LINEAR_SHAPES]
+  walls = lambda impl, mode: [wall[impl, f"{s}_{n}", mode] for s in shapes for n in seqs]
+  scan = [wall["scan", f"{s}_4k", "fwd"][0] for s in shapes]
+  memory = [src.row(f"{s}_16k", "ours", "fwd", ("compiled_memory",)) for s in shapes]
+  gla_fb = [f for f in (src.ratio((f"{shapes[0]}_{n}", "fla", "fwd_bwd"),
+                                  (f"{shapes[0]}_{n}", "ours", "fwd_bwd")) for n in seqs) if f]
+  join = lambda found: " / ".join(num(w and w[0]) for w in found)
+  fla_wall = ["; ".join(f"{label.split()[0]} {join(walls('fla', 'fwd')[i * 3:i * 3 + 3])}"
+                        for i, (label, _) in enumerate(LINEAR_SHAPES)),
+              join(walls("fla", "fwd_bwd")[:3])]
+  chunked = [w[0] for w in walls("xla_chunked", "fwd") if w]
+  spread = max(r["range"][1] - r["range"][0] for d in src.used for r in d["ratios"])
+  return [f"**Linear attention, kernel time per call (ms), fla / ours: median of the per-round "
+          f"ratios (ranges within {math.ceil(spread * 100) / 100:.2f}).** {src.caption()}", "",
+          *table(header, rows), *fails.lines(), "",
+          f"Wall clock in the same runs, fla / ours at S = 4k / 8k / 16k: forward {fla_wall[0]}; "
+          f"GLA forward+backward {fla_wall[1]}. Against the `lax.scan` reference at 4k (forward): "
+          + " / ".join(f"{x:.0f}x" for x in scan) + f"; the chunked pure-XLA version is "
+          f"{min(chunked):.1f}-{max(chunked):.1f}x slower than ours (forward). Peak forward "
+          "memory at 16k (arguments included): " + ", ".join(
+              f"{label.split()[0]} {decimal_bytes(r)}" for (label, _), r in zip(LINEAR_SHAPES,
+                                                                              memory) if r)
+          + f". Targets: >= 10x the scan reference: {met(min(scan) >= 10)}; within 1.2x of "
+          f"flash-linear-attention (forward fla/ours {min(fla_over):.2f}-{max(fla_over):.2f} by "
+          f"kernel time, GLA forward+backward {min(f[0] for f in gla_fb):.2f}x ahead): "
+          f"{met(min(fla_over) >= 1 / 1.2)}.", ""]
+
+
+def pallas_ref(folders) -> list[str]:
+  kinds = [(d, causal) for d in (64, 128) for causal in (False, True)]
+  seqs = {False: ("1k", "4k", "16k"), True: ("4k", "16k")}
+  case = lambda d, causal, s: f"{'causal' if causal else 'vanilla'}_{s}" + (
+      "_d64" if d == 64 else "")
+  src = Source(folders, [(case(d, causal, s), impl, "fwd_bwd", WALL) for d, causal in kinds
+                         for s in seqs[causal] for impl in ("pallas_attn", "jax_pallas_mha")])
+  rows, ratios = [], []
+  for d, causal in kinds:
+    cells = []
+    for s in ("1k", "4k", "16k"):
+      if s not in seqs[causal]:
+        cells.append("–")
+        continue
+      c = case(d, causal, s)
+      ratios.append(src.ratio((c, "jax_pallas_mha", "fwd_bwd"), (c, "pallas_attn", "fwd_bwd"),
+                              WALL)[0])
+      cells.append(" / ".join(tflops(src.row(c, impl, "fwd_bwd", WALL))
+                              for impl in ("pallas_attn", "cudnn", "jax_pallas_mha"))
+                   + f" ({ratios[-1]:.2f})")
+    rows.append([str(d), "yes" if causal else "no", *cells])
+  held = Source(folders, [(f"vanilla_{s}", "pallas_attn", m, ("compiled_memory",))
+                          for s in ("16k", "64k") for m in MODES])
+  memory = {(impl, s, m): decimal_bytes(held.row(f"vanilla_{s}", impl, m, ("compiled_memory",)))
+            for impl in ("pallas_attn", "cudnn", "xla") for s in ("16k", "64k") for m in MODES}
+  return [f"**Forward+backward TFLOP/s against JAX's Pallas reference**: ours / cuDNN / Pallas "
+          f"ref (ours / Pallas ref), B = 16k / S, H16, one run. {src.caption()}", "",
+          *table(["d", "causal", "S = 1024", "S = 4096", "S = 16384"], rows), "",
+          f"Memory (compiled, B1 H16 d128): forward {memory['pallas_attn', '16k', 'fwd']} at 16k "
+          f"and {memory['pallas_attn', '64k', 'fwd']} at 64k, forward+backward "
+          f"{memory['pallas_attn', '16k', 'fwd_bwd']} / {memory['pallas_attn', '64k', 'fwd_bwd']}"
+          f" (cuDNN {memory['cudnn', '16k', 'fwd_bwd']} / {memory['cudnn', '64k', 'fwd_bwd']}; "
+          f"XLA {memory['xla', '16k', 'fwd_bwd']} at 16k, {memory['xla', '64k', 'fwd_bwd']} at "
+          f"64k); {held.caption()} Targets: forward+backward >= 2x the Pallas reference "
+          f"({min(ratios):.2f}-{max(ratios):.2f}): {met(min(ratios) >= 2)}; " + tuning(folders)]
+
+
+def tuning(folders) -> str:
+  cases = [c + s for c in ("vanilla_", "causal_") for s in ("4k", "16k", "4k_d64", "16k_d64")]
+  src = Source(folders, [(c, "tuned", "fwd", ("tuner", "throughput")) for c in cases])
+  speed, seconds = [], []
+  for r in src.files[0]["rows"]:  # the latest run holding every case
+    if r["impl"] == "tuned" and r["time_ms"]:
+      base = src.row(r["case"], "heuristic", "fwd", (r["measure"],))
+      speed.append(base["time_ms"] / r["time_ms"])
+      seconds.append(r["extra"]["tuning_s"])
+  return (f"tuned >= 1.15x heuristic in under 2 minutes per shape: {statistics.mean(speed):.2f}x "
+          f"mean ({min(speed):.2f}-{max(speed):.2f}), {min(seconds):.1f}-{max(seconds):.1f} s per "
+          f"case (12 s, 10 candidates; `{src.used[0]['path']}`): "
+          f"{met(statistics.mean(speed) >= 1.15 and max(seconds) < 120)}.")
+
+
+SECTIONS = [("variants", "Issue 15: the Mosaic GPU forward and backward", variants),
+            ("terms", "Issue 14: computed-index captures, sinks", terms),
+            ("block_mask", "Issue 14, item 3: block-mask builds", block_mask),
+            ("train_example", "Issue 16: a small LM trained with the layers", train_example),
+            ("decoding", "Issue 17: split-KV decoding", decoding),
+            ("multi_gpu", "Issue 18: several GPUs", multi_gpu),
+            ("earlier", "Earlier issues (resolved): the latest measurements", earlier)]
+
+
+def notes() -> dict[str, list[str]]:
+  """NOTES.md's sections by key."""
+  found, key = {}, None
+  with open(os.path.join(RESULTS, "NOTES.md")) as f:
+    for line in f.read().splitlines():
+      if line.startswith("## "):
+        key = line[3:].strip()
+        found[key] = []
+      elif key is not None:
+        found[key].append(line)
+  return found
+
+
+def main():
+  folders = [Folder(p) for p in sorted(glob.glob(os.path.join(RESULTS, "*_*/")), reverse=True)]
+  written = notes()
+  lines = ["# Benchmark results: the current tables against the targets", "",
+           "Generated by `benchmarks/summarize.py` from the newest runs in "
+           "`benchmarks/results/<date>_<device>/` and `NOTES.md` (edit those, not this file).",
+           "", METHOD]
+  for key, title, make in SECTIONS:
+    try:
+      made = make(folders)
+    except (LookupError, TypeError, ValueError, ZeroDivisionError) as e:  # a run lacks cells
+      made = [f"(no results to table: {type(e).__name__}: {e})"]
+    lines += ["", f"## {title}", "", *made]
+    body = written.pop(key, [])
+    lines += [""] + body if any(body) else []
+  for key, body in written.items():
+    lines += ["", f"## {key}", *body]
+  text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip() + "\n"
+  with open(os.path.join(RESULTS, "SUMMARY.md"), "w") as f:
+    f.write(text)
+  print(f"wrote {os.path.join(RESULTS, 'SUMMARY.md')}: {text.count(chr(10))} lines")
+
+
+if __name__ == "__main__":
+  main()
