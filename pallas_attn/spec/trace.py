@@ -198,7 +198,7 @@ def _custom_rule(eqn, invals, allowed: frozenset, fn_name: str):
   source = _function_source(eqn)
   where = f"{fn_name} calls the {kind} function {source}"
   check_primitives(body.jaxpr, allowed, f"{where}, whose body")
-  check_primitives(rule.jaxpr, allowed | {"add_any"}, f"{where}, whose derivative rule")
+  check_primitives(rule.jaxpr, allowed, f"{where}, whose derivative rule")
   return primitives.custom_rule_p.bind(
       *invals, name=source.split(" at ")[0], kind=kind, body=body, vjp=rule,
       differentiable=differentiable)
