@@ -130,13 +130,18 @@ def separable_rows(tile, b, h, refs, fixed_axis: str, start, rows: int):
   return at(axis_positions(start, rows, 0), zero) - at(start, zero)
 
 
+def separable_columns(tile, b, h, refs, fixed_axis: str, start, other_start, cols: int):
+  """A separable score_mod's bias `E(start, column)` along `cols` positions
+  of the other axis from `other_start`: a `[cols]` vector in the column layout."""
+  return _separable_at(tile, b, h, refs, fixed_axis, start, axis_positions(other_start, cols, 1))
+
+
 def with_separable_bias(tile, b, h, refs, fixed_axis: str, start, row_part, other_start,
                         cols: int):
   """`tile` with its `bias` set on the `[rows, cols]` tile whose columns are
   `cols` positions of the other axis from `other_start`: `row_part` plus
   `E(start, column)`, two vectors broadcast, so each score costs two adds."""
-  columns = _separable_at(tile, b, h, refs, fixed_axis, start,
-                          axis_positions(other_start, cols, 1))
+  columns = separable_columns(tile, b, h, refs, fixed_axis, start, other_start, cols)
   shape = (row_part.shape[0], cols)
   bias = lax.broadcast_in_dim(row_part, shape, (0,)) + lax.broadcast_in_dim(columns, shape, (1,))
   return dataclasses.replace(tile, bias=bias)

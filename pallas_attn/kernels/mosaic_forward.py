@@ -98,8 +98,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
                                loader=mb.capture_loader(b, h, "q", q_start, rows))
     online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
     fold = plan.folds_log2 and plan.scale > 0
-    qk_scale = plan.scale * LOG2E if fold else plan.scale
     separable = plan.analysis.separable_bias
+    # Softmax of `score + R(q) + C(kv)` is softmax of `score + C(kv)`: a row's
+    # constant cancels. So the tile adds the column part only, in the exp2's
+    # log2 units, and the lse gets the row part back at the end.
+    fold_bias = (separable and sink_ref is None and plan.scale > 0
+                 and plan.online.logits_are_scores())
+    qk_scale = plan.scale * LOG2E if fold or fold_bias else plan.scale
     if separable:  # the bias's part along the rows, once (spec/separable.py)
       bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
     sink2 = None if sink_ref is None else sink_ref[h]
@@ -118,6 +123,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
         w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
                                             logit_scale=qk_scale)
+      elif fold_bias:  # one multiply-add per score, and the exp2's subtraction
+        columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, bk)
+        logits = s * qk_scale + lax.broadcast_in_dim(columns * LOG2E, (rows, bk), (1,))
+        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits)
       else:
         scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
                                          bk) if separable else tile)
@@ -182,6 +191,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     if schedule is not None:
       pl.when(wg == 0)(schedule_barrier)
     out, lse = online.finalize(state)
+    if fold_bias:
+      lse = lse + bias_rows
     o_tile[...] = out.astype(dtype)
     lse_tile[...] = lse
     mb.plgpu.commit_smem()

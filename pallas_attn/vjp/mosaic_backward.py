@@ -33,8 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import mosaic_backend as mb
+from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import AttentionConfig
-from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2, split_inputs,
+from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
+                                               softmax_tile_gradients, split_inputs,
                                               tile_gradients)
 
 _PRODUCER_REGISTERS = 40
@@ -125,6 +127,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
     tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
     q_idx = mb.tile_indices(q_start, (SUB, step_keys), 0)
+    fold_bias, log2_scale = plan.folds_separable_bias, plan.scale * LOG2E
     if plan.analysis.separable_bias:
       bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, SUB)
     q_rows = pl.ds(q_start, SUB)
@@ -149,6 +152,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       rows_smem.at[wg, 1][...] = delta
       mb.plgpu.commit_smem()
       mb.plgpu.copy_smem_to_gmem(rows_smem.at[wg], rows_out_ref.at[b, h, :, q_rows])
+      if fold_bias:  # the bias's part along the rows joins lse2
+        rows = (lse2 - bias_rows * LOG2E, delta)
 
     def visit(step, kv_block, sub, masked: bool, dq):
       slot = lax.rem(step, stages)
@@ -161,10 +166,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
       keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
       row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
-      scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
-                                       step_keys) if plan.analysis.separable_bias else tile)
-      _, ds = _gradients(plan, scorer, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx),
-                         cap_refs, (kv_start, step_keys))
+      if fold_bias:
+        columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, step_keys)
+        logits2 = s * log2_scale + lax.broadcast_in_dim(columns * LOG2E, (SUB, step_keys), (1,))
+        _, ds = softmax_tile_gradients(logits2, dp, row_tiles, keep)
+      else:
+        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows,
+                                         kv_start, step_keys)
+                  if plan.analysis.separable_bias else tile)
+        _, ds = _gradients(plan, scorer, s, dp, row_tiles, keep, (b, h, q_idx, kv_idx),
+                           cap_refs, (kv_start, step_keys))
 
       def dq_update(acc_ref):
         mb.plgpu.wgmma(acc_ref, ds.astype(dtype), k_slot)
@@ -195,6 +206,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
   # Padded query rows have dO = 0; outside plain softmax their scores could
   # still make non-finite derivatives, so they are masked.
   mask_rows = not plan.folds_log2 and plan.seq_q % plan.block_q != 0
+  fold_bias = plan.folds_separable_bias
+  log2_scale = plan.scale * LOG2E
 
   def head_of(g):
     return kv_head * plan.group + g
@@ -246,6 +259,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
                                  loader=mb.capture_loader(b, h, "kv", kv_start, SUB))
       if plan.analysis.separable_bias:
         bias_rows = mb.separable_rows(tile, b, h, cap_refs, "kv", kv_start, SUB)
+      if fold_bias:  # the keys' part of the bias, in log2 units; the queries' joins lse2
+        bias_rows2 = bias_rows * LOG2E
 
       def visit(step, q_block, sub, masked: bool, acc):
         dk, dv = acc
@@ -257,20 +272,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
         s, dp = mb.products(((k_tile, q_slot), (v_tile, do_slot)), (SUB, SUB))
         rows = ()
         if rows_ref is not None:
-          rows = tuple(
-              lax.broadcast_in_dim(
-                  mb.load_ref(rows_smem.at[slot, n], layout=mb.plgpu.Layout.WGMMA.reduce(0)),
-                  (SUB, SUB), (1,))
-              for n in range(plan.num_row_terms))
+          rows = [mb.load_ref(rows_smem.at[slot, n], layout=mb.plgpu.Layout.WGMMA.reduce(0))
+                  for n in range(plan.num_row_terms)]
+          if fold_bias:
+            rows[0] = rows[0] - LOG2E * mb.separable_columns(tile, b, h, cap_refs, "kv",
+                                                             kv_start, q_start, SUB)
+          rows = tuple(lax.broadcast_in_dim(r, (SUB, SUB), (1,)) for r in rows)
         q_idx = mb.tile_indices(q_start, (SUB, SUB), 1)
         keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, q_start, SUB)
         if mask_rows:
           valid = q_idx < plan.seq_q
           keep = valid if keep is None else jnp.logical_and(keep, valid)
-        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "kv", kv_start, bias_rows,
-                                         q_start, SUB) if plan.analysis.separable_bias else tile)
-        w, ds = _gradients(plan, scorer, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
-                           (q_start, SUB))
+        if fold_bias:
+          logits2 = s * log2_scale + lax.broadcast_in_dim(bias_rows2, (SUB, SUB), (0,))
+          w, ds = softmax_tile_gradients(logits2, dp, rows, keep)
+        else:
+          scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "kv", kv_start, bias_rows,
+                                           q_start, SUB)
+                    if plan.analysis.separable_bias else tile)
+          w, ds = _gradients(plan, scorer, s, dp, rows, keep, (b, h, q_idx, kv_idx), cap_refs,
+                             (q_start, SUB))
 
         def updates(refs):
           dv_ref, dk_ref = refs

@@ -151,6 +151,14 @@ class BackwardPlan(ForwardPlan):
     return 1 + len(rownorm.stats) + num_max  # factor, dr_k..., argmaxes...
 
   @property
+  def folds_separable_bias(self) -> bool:
+    """Plain softmax of `score + R + C` (a separable bias): each row term's
+    vector takes the bias's part along its own axis and the tile adds only
+    the other part, in the exp2's multiply-add (the Mosaic GPU kernels)."""
+    return (self.analysis.separable_bias and self.scale > 0
+            and self.online.logits_are_scores())
+
+  @property
   def score_scale(self) -> float:
     """What `q.k` is multiplied by: the softmax scale, times log2(e) when
     the scores go to the log2 domain."""
@@ -170,6 +178,15 @@ def _where(keep, x):
   return x if keep is None else jnp.where(keep, x, 0.0)
 
 
+def softmax_tile_gradients(logits2, dp, rows, keep):
+  """(P, dS) of a plain-softmax tile from its log2-domain logits and the row
+  terms (lse2, delta): dS = P (dP - delta), the gradient with respect to
+  the scaled score."""
+  lse2, delta = rows
+  p = _where(keep, jnp.exp2(logits2 - lse2))
+  return p, p * (dp - delta)
+
+
 def tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, keep, position,
                    cap_refs, window, grad_uses, lower=lambda f: f()):
   """Gradients on one tile, `[block_q, block_k]` (or its transpose: the
@@ -185,9 +202,7 @@ def tile_gradients(plan: BackwardPlan, tile: tiles.TileContext, s, dp, rows, kee
   their flat positions, for gathers). All are zero where `keep` is False.
   """
   if plan.folds_log2:
-    lse2, delta = rows
-    p = _where(keep, jnp.exp2(s - lse2))
-    return p, p * (dp - delta), (), ()
+    return (*softmax_tile_gradients(s, dp, rows, keep), (), ())
   b, h, q_idx, kv_idx = position
   rownorm = plan.analysis.rownorm
   online = plan.online
