@@ -128,21 +128,34 @@ def _flex(torch, c: Case, param):
   s, name = c.shape, c.variant
   offset = s.seq_kv - s.seq_q  # queries bottom-right, as our variants place them
   causal = lambda b, h, qi, ki: qi + offset >= ki
-  masks = dict.fromkeys(("causal", "alibi_causal", "rel_table", "t5_buckets", "sink"), causal)
-  if name in bench.WINDOWS:
-    size = bench.WINDOWS[name]
-    masks[name] = lambda b, h, qi, ki: (qi + offset >= ki) & (qi + offset - ki < size)
-  if name == "documents8":
+  masks = dict.fromkeys(("causal", "alibi_causal", "rel_table", "t5_buckets", "sink",
+                         "softcap_causal", "off_by_one_causal"), causal)
+  windows = dict(bench.WINDOWS, window256_bidir=256, gemma2_local=4096)
+  if name in windows:
+    size = windows[name]
+    masks[name] = ((lambda b, h, qi, ki: (qi + offset - ki).abs() < size)
+                   if name.endswith("_bidir") else
+                   (lambda b, h, qi, ki: (qi + offset >= ki) & (qi + offset - ki < size)))
+  if name.startswith("documents8") or name == "softcap_documents8":
     ids = torch.from_numpy(np.asarray(bench.document_ids(1, s.seq_kv)[0])).cuda()
-    masks[name] = lambda b, h, qi, ki: (ids[qi] == ids[ki]) & (qi >= ki)
+    masks[name] = ((lambda b, h, qi, ki: ids[qi] == ids[ki]) if name.endswith("_bidir") else
+                   (lambda b, h, qi, ki: (ids[qi] == ids[ki]) & (qi >= ki)))
+  if name == "prefix_lm":
+    masks[name] = lambda b, h, qi, ki: (ki < s.seq_kv // 2) | (qi + offset >= ki)
   slopes = torch.from_numpy(np.asarray(V.alibi_slopes(s.heads_q))).cuda()
   alibi = lambda x, b, h, qi, ki: x + slopes[h] * (ki - qi)
-  score_mods = {"softcap": lambda x, b, h, qi, ki: 30.0 * torch.tanh(x / 30.0),
+  cap = lambda c: (lambda x, b, h, qi, ki: c * torch.tanh(x / c))
+  score_mods = {"softcap": cap(30.0), "softcap_causal": cap(30.0),
+                "softcap_documents8": cap(30.0), "gemma2_local": cap(50.0),
                 "alibi": alibi, "alibi_causal": alibi,
                 "rel_table": lambda x, b, h, qi, ki: x + param[h, qi - ki + s.seq_kv - 1],
                 "t5_buckets": lambda x, b, h, qi, ki: x + param[h, t5_bucket_torch(torch,
                                                                                    ki - qi)]}
-  if name != "vanilla" and name not in masks and name not in score_mods:
+  sinks = {"sink": param, "sink_bidir": param}
+  if name.startswith("off_by_one"):  # a sink of logit 0 in every head
+    sinks[name] = torch.zeros(s.heads_q, device="cuda")
+  if (name != "vanilla" and name not in masks and name not in score_mods
+      and name not in sinks):
     raise NotImplementedError(f"cannot express variant {name!r}")
   for limit in ("recompile_limit", "cache_size_limit"):  # a compile per case and mode
     if hasattr(torch._dynamo.config, limit):
@@ -151,14 +164,14 @@ def _flex(torch, c: Case, param):
   block_mask = (fa.create_block_mask(masks[name], None, None, s.seq_q, s.seq_kv, device="cuda")
                 if name in masks else None)
   options = dict(block_mask=block_mask, enable_gqa=s.heads_q != s.heads_kv)
-  if name == "sink":  # out * sigmoid(lse - sink) rescales softmax to exp(sink) + sum(exp(s))
+  if name in sinks:  # out * sigmoid(lse - sink) rescales softmax to exp(sink) + sum(exp(s))
     lse_option = (dict(return_aux=fa.AuxRequest(lse=True)) if hasattr(fa, "AuxRequest")
                   else dict(return_lse=True))  # return_lse is deprecated
 
     def with_sink(q, k, v):
       out, aux = flex(q, k, v, **options, **lse_option)
       lse = getattr(aux, "lse", aux)
-      return out * torch.sigmoid(lse - param[None, :, None]).unsqueeze(-1).to(out.dtype)
+      return out * torch.sigmoid(lse - sinks[name][None, :, None]).unsqueeze(-1).to(out.dtype)
     return with_sink
   return lambda q, k, v: flex(q, k, v, score_mod=score_mods.get(name), **options)
 
@@ -283,7 +296,9 @@ def measure_calls(builders: dict, *, rounds: int = 3, budget: Budget | None = No
       rows.append(Row(name, impl, mode, None, note="skipped: time budget"))
       continue
     try:
+      started = time.perf_counter()
       call = build()
+      first_s = time.perf_counter() - started
       out = call()
       leaves = host_leaves(out, impl in heads_second)
     except Exception as e:  # A peer that cannot run shows n/a, never aborts the run.
@@ -292,6 +307,8 @@ def measure_calls(builders: dict, *, rounds: int = 3, budget: Budget | None = No
     row = bench.timed_row(name, impl, mode, call, work(flops, name, mode),
                           gbytes=work(gbytes, name, mode),
                           wait=wait_torch if is_torch(out) else jax.block_until_ready)
+    row.extra.update(first_call_s=first_s, **{f"{k}_s": v for k, v in
+                                              getattr(call, "stages", {}).items()})
     first_impl, first = reference.setdefault((name, mode), (impl, leaves))
     if first_impl != impl and [x.shape for x in leaves] == [x.shape for x in first]:
       row.extra.update(rel_err=rel_err(leaves, first), rel_err_vs=first_impl)

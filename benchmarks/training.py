@@ -18,6 +18,11 @@ Suites (bf16, 16 heads; a case's batch holds 16k tokens unless named):
   it has no mask type) and XLA, forward.
 * causal: causal against dense attention at S 4k / 8k / 16k and sliding
   windows at 16k, with JAX's Pallas `mha` and cuDNN, forward.
+* user_4k, user_16k: every built-in variant in both mask forms and the
+  README's recipes (`USER_VARIANTS`), B4 S4k / B1 S16k d128, against Flex and
+  cuDNN; each row keeps its first call's seconds and stages (trace, lower,
+  compile, run), the latency a user pays per variant (user_4k adds an fp32
+  Dqk 192 / Dv 128 case for that).
 * pallas_ref: softmax, d 64 / 128, causal or not, S 1k / 4k / 16k, against
   JAX's Pallas `mha` and cuDNN.
 * memory: XLA's compiled bytes (temporaries + outputs) of the forward and
@@ -52,6 +57,14 @@ def softmax_case(variant: str, seq: int, d: int = 128) -> bench.Case:
               max(1, TOKENS // seq), seq, d_qk=d)
 
 
+# Every built-in variant in both mask forms where it has two, and the README's
+# recipes (issue 37's table; `bench.VARIANTS` says what each is).
+USER_VARIANTS = (
+    "vanilla", "causal", "softcap", "softcap_causal", "alibi", "alibi_causal",
+    "window256_bidir", "window256", "documents8_bidir", "documents8", "sigmoid",
+    "sigmoid_causal", "relu", "relu_causal", "prefix_lm", "sink_bidir", "sink", "off_by_one",
+    "off_by_one_causal", "retention", "abs_clamp", "abs_clamp_causal", "softcap_documents8",
+    "gemma2_local")
 CASES = {c.name: c for c in [
     *(softmax_case(v, s, d) for v in ("vanilla", "causal") for d in (64, 128)
       for s in (1024, 4096, 8192, 16384, 65536) if d == 128 or s < 65536),
@@ -61,6 +74,9 @@ CASES = {c.name: c for c in [
     softmax_case("window256", 16384), softmax_case("window1024", 16384),
     case("vanilla_4k_dqk192", "vanilla", 4, 4096, d_qk=192, d_v=128),
     softmax_case("vanilla", 4096, 256),
+    *(softmax_case(v, s) for v in USER_VARIANTS for s in (4096, 16384)),
+    case("alibi_causal_4k_fp32_dqk192", "alibi_causal", 4, 4096, d_qk=192, d_v=128,
+         dtype="float32"),
     case("rel_table_dtable_4k", "rel_table", 4, 4096, grad_params=True),
     case("t5_buckets_dtable_4k", "t5_buckets", 4, 4096, grad_params=True),
 ]}
@@ -106,6 +122,11 @@ SUITES = {
         pairs=_pairs("pallas_attn", [(f"{v}_{s}", f"vanilla_{s}") for s in ("4k", "8k", "16k")
                                      for v in ("causal", "window256", "window1024")
                                      if v == "causal" or s == "16k"], ("fwd",))),
+    # issue 37: every user variant against Flex and cuDNN; each row's first call and its
+    # stages (`first_call_s`, `trace_s`, ...) are the compile latency a user pays
+    **{f"user_{seq}": Suite(tuple(f"{v}_{seq}" for v in USER_VARIANTS)
+                            + (("alibi_causal_4k_fp32_dqk192",) if seq == "4k" else ()),
+                            ("pallas_attn", "flex", "cudnn")) for seq in ("4k", "16k")},
     "pallas_ref": Suite(
         tuple(f"{v}_{bench.seq_name(s)}" + ("_d64" if d == 64 else "") for d in (64, 128)
               for v in ("vanilla", "causal") for s in (1024, 4096, 16384)),
