@@ -17,12 +17,12 @@ import numpy as np
 
 from pallas_attn import inputs
 from pallas_attn.kernels import backend, decode_forward, tiles
-from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import MAX_DECODE_QUERIES, DecodeConfig, prefers_split_kv
 from pallas_attn.schedule.device import device_config
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.mask_bounds import live_kv_blocks
 from pallas_attn.spec.trace import is_concrete
 
 TEMPLATE = "decode"  # the tuning cache's name of the split-KV template
@@ -227,9 +227,8 @@ def _forward(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
   if analysis.mask_mod is not None:
     clipped = jnp.clip(lengths, 0, max_length)
     first_query = clipped - seq_q if call.queries_at_end else jnp.zeros_like(clipped)
-    ranges = block_mask_lib.live_kv_blocks(call.analysis, consts[1], clipped, first_query,
-                                           seq_q, heads_kv, group, cfg.block_k,
-                                           kv_pad // cfg.block_k)
+    ranges = live_kv_blocks(call.analysis, consts[1], clipped, first_query, seq_q, heads_kv,
+                            group, cfg.block_k, kv_pad // cfg.block_k)
   fp32_exact = q.dtype == jnp.float32
   plan = decode_forward.DecodePlan(
       analysis=analysis, operands=operands,

@@ -9,6 +9,7 @@ import pytest
 import pallas_attn as pa
 from pallas_attn import variants
 from pallas_attn.kernels import block_mask as bm_lib
+from pallas_attn.spec import mask_bounds
 from pallas_attn.reference import dense_mask
 from conftest import MODES, assert_close, qkv
 
@@ -328,7 +329,7 @@ def test_eager_closure_key_aliasing_and_fallbacks():
   _check_eager(from_object)
 
 
-# Tile bounds (`_tile_bounds`): tiles decided without evaluating a position
+# Tile bounds (spec/mask_bounds.py): tiles decided without evaluating a position
 # must get their exact class, and the bounds must decide the tiles of
 # structured masks that are not partial.
 
@@ -371,7 +372,7 @@ def _check_bounds(mask_mod, seq_q=77, seq_kv=90, bq=16, bk=32, heads=2):
   bounded = np.asarray(bm_lib.classify_tiles(analysis, 2, heads, seq_q, seq_kv, bq, bk, True,
                                              exact=False))
   expected = expected[:bounded.shape[0], :bounded.shape[1]]
-  decided = bounded != bm_lib._UNDECIDED
+  decided = bounded != mask_bounds.UNDECIDED
   np.testing.assert_array_equal(bounded[decided], expected[decided])
   classes = bm_lib.classify_tiles(analysis, 2, heads, seq_q, seq_kv, bq, bk, True)
   np.testing.assert_array_equal(classes, expected)
@@ -403,7 +404,7 @@ def test_tile_bounds_at_edges():
 @pytest.mark.parametrize("name", list(BOUNDED))
 def test_tile_bounds_are_exact(name):
   undecided, _, count = _check_bounds(BOUNDED[name])
-  bounded = bm_lib.has_tile_bounds(pa.analyze_variant(mask_mod=BOUNDED[name]))
+  bounded = mask_bounds.has_tile_bounds(pa.analyze_variant(mask_mod=BOUNDED[name]))
   assert bounded == (name not in ("float", "bitwise", "gather"))
   if not bounded:
     assert undecided == count

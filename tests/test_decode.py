@@ -14,7 +14,7 @@ import pallas_attn as pa
 from conftest import MODES, assert_close, random
 from pallas_attn import decode
 from pallas_attn import variants as V
-from pallas_attn.kernels import block_mask as block_mask_lib
+from pallas_attn.spec import mask_bounds
 
 S_MAX = 50  # not a multiple of the 16-key blocks
 SPLITS = pa.DecodeConfig(block_k=16, num_splits=3)
@@ -173,13 +173,13 @@ def test_window_splits_only_the_window():
   mask's tile bounds), per sequence; an unbounded mask gets no ranges."""
   analysis = pa.analyze_variant(**V.sliding_window(32).kwargs())
   lengths = jnp.asarray([1000, 40, 1], jnp.int32)
-  ranges = block_mask_lib.live_kv_blocks(analysis, (), lengths, lengths - 1, 1, 2, 2, 16, 63)
+  ranges = mask_bounds.live_kv_blocks(analysis, (), lengths, lengths - 1, 1, 2, 2, 16, 63)
   # Query at p keeps keys (p - 32, p]: blocks of keys 968..999, 8..39, 0.
   np.testing.assert_array_equal(ranges[:, 0], [[60, 63], [0, 3], [0, 1]])
   floats = random((1000,))
   unbounded = pa.analyze_variant(mask_mod=lambda b, h, qi, ki: floats[ki] > 0)
-  assert block_mask_lib.live_kv_blocks(unbounded, unbounded.mask_mod.traced.consts, lengths,
-                                       lengths - 1, 1, 2, 2, 16, 63) is None
+  assert mask_bounds.live_kv_blocks(unbounded, unbounded.mask_mod.traced.consts, lengths,
+                                    lengths - 1, 1, 2, 2, 16, 63) is None
 
 
 def test_schedule_fills_the_gpu():

@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_attn.distributed import layout as layout_lib
 from pallas_attn.distributed import ring as ring_lib
-from pallas_attn.kernels.block_mask import keeps_nothing_between
 from pallas_attn.spec.analysis import analyze_variant
+from pallas_attn.spec.mask_bounds import keeps_nothing_between
 
 
 def _balances(mask_mod, seq_kv: int) -> bool:

@@ -21,7 +21,7 @@ blocks are split; keys at or past its length are never read (the last
 block's rows are clamped to the last key and masked), so the cache is
 never padded or copied. With a mask_mod whose tile bounds decide blocks,
 the live blocks' range comes per (sequence, kv head) from
-`block_mask.live_kv_blocks` and only it is split. The cache is contiguous
+`spec.mask_bounds.live_kv_blocks` and only it is split. The cache is contiguous
 `[B, S_max, Hkv, D]` or paged `[num_pages, page_size, Hkv, D]` read through
 a page table (clamped into the pages: no out-of-bounds read).
 """
@@ -54,7 +54,7 @@ class DecodePlan(VariantTiles):
   max_length: int            # keys a sequence may have (S_max, or pages x page size)
   queries_at_end: bool       # token i at kv_len - seq_q + i (decoding), else at i
   page_size: int | None      # paged cache; None: contiguous
-  has_ranges: bool           # live kv block ranges from block_mask.live_kv_blocks
+  has_ranges: bool           # live kv block ranges from mask_bounds.live_kv_blocks
   has_sink: bool             # softmax sink logits [Hq] (log2 units), applied when finalizing
   fp32_exact: bool
   fast_math: bool
