@@ -3,7 +3,8 @@ from pallas_attn._version import __version__
 from pallas_attn.api import attention
 from pallas_attn.decode import decode_attention, paged_attention
 from pallas_attn.distributed import context_parallel_attention, ring_attention
-from pallas_attn.kernels.block_mask import BlockMask, block_mask
+from pallas_attn.kernels.block_mask import BlockMask
+from pallas_attn.kernels.block_mask_cache import block_mask
 from pallas_attn.linear import linear_attention, linear_attention_step
 from pallas_attn.reference import attention_reference
 from pallas_attn.schedule.config import AttentionConfig, DecodeConfig, LinearAttentionConfig

@@ -12,6 +12,7 @@ from pallas_attn import decode, inputs
 from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
+from pallas_attn.kernels import block_mask_cache
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import AttentionConfig, heuristic_config, round_up
@@ -214,7 +215,7 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
     mask = _mask_only(analysis)
     consts = mask.mask_mod.traced.consts
     shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
-    masks = (block_mask_lib.compiled_builder(mask, *shape)(consts)
+    masks = (block_mask_cache.compiled_builder(mask, *shape)(consts)
              if all(map(is_concrete, consts)) else block_mask_lib.build_block_masks(mask, *shape))
   # The kernels read the lists. Without the digest (checked), a passed mask
   # and a built one are pytrees of one structure, of [Bm, Hm, ...] leaves.

@@ -9,6 +9,7 @@ import pytest
 import pallas_attn as pa
 from pallas_attn import variants
 from pallas_attn.kernels import block_mask as bm_lib
+from pallas_attn.kernels import block_mask_cache
 from pallas_attn.spec import mask_bounds
 from pallas_attn.reference import dense_mask
 from conftest import MODES, assert_close, qkv
@@ -196,7 +197,7 @@ def test_eager_block_mask_reuses_its_compiled_builder(monkeypatch):
          for seed in (3, 4)]
   pa.block_mask(documents(ids[0]), *shape, block_q=16, block_kv=16)
   compiled = []
-  monkeypatch.setattr(bm_lib, "compiled_builder", lambda *a: compiled.append(a))
+  monkeypatch.setattr(block_mask_cache, "compiled_builder", lambda *a: compiled.append(a))
   listener = lambda event, *_, **__: (compiled.append(event)
                                       if event == "/jax/core/compile/backend_compile_duration"
                                       else None)
@@ -246,8 +247,8 @@ def _no_trace(monkeypatch):
   """Makes any trace of a mask_mod by `block_mask` fail the test."""
   def fail(*_, **__):
     raise AssertionError("mask_mod was traced")
-  monkeypatch.setattr(bm_lib, "analyze_variant", fail)
-  monkeypatch.setattr(bm_lib, "_traced_key", fail)
+  monkeypatch.setattr(block_mask_cache, "analyze_variant", fail)
+  monkeypatch.setattr(block_mask_cache, "_traced_key", fail)
 
 
 def test_eager_closure_over_new_arrays_runs_without_a_trace(monkeypatch):
