@@ -36,28 +36,21 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.kernels.online import LOG2E
-from pallas_attn.kernels.parallel_forward import VariantTiles
+from pallas_attn.kernels.parallel_forward import VariantPlan
 from pallas_attn.schedule.config import DecodeConfig, next_power_of_2
-from pallas_attn.spec.analysis import VariantAnalysis
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodePlan(VariantTiles):
-  """Static parameters of one split-KV kernel instance."""
-  analysis: VariantAnalysis  # reads by head or query index are gathers (tiles.gathered_per_row)
-  operands: tuple            # tiles.CaptureOperand per captured array
-  scale: float
-  seq_q: int                 # query tokens per sequence
-  group: int                 # query heads per kv head
+class DecodePlan(VariantPlan):
+  """Static parameters of one split-KV kernel instance. Its analysis reads
+  by head or query index as gathers (tiles.gathered_per_row); seq_q is the
+  query tokens per sequence; the sink logits apply when finalizing."""
   d_qk: int
   d_v: int
   max_length: int            # keys a sequence may have (S_max, or pages x page size)
   queries_at_end: bool       # token i at kv_len - seq_q + i (decoding), else at i
   page_size: int | None      # paged cache; None: contiguous
   has_ranges: bool           # live kv block ranges from mask_bounds.live_kv_blocks
-  has_sink: bool             # softmax sink logits [Hq] (log2 units), applied when finalizing
-  fp32_exact: bool
-  fast_math: bool
   config: DecodeConfig       # complete (heuristic_decode_config)
 
   @property

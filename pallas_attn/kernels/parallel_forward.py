@@ -28,10 +28,19 @@ from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.spec.analysis import VariantAnalysis
 
 
-class VariantTiles:
-  """What a kernel plan with `analysis`, `operands`, `fp32_exact` and
-  `fast_math` fields evaluates per tile: the rownorm's online state and the
-  user's programs (shared by the forward templates' plans)."""
+@dataclasses.dataclass(frozen=True)
+class VariantPlan:
+  """The static parameters every attention kernel plan shares (the parallel
+  templates' and the split-KV one's), and what they evaluate per tile: the
+  rownorm's online state and the user's programs."""
+  analysis: VariantAnalysis
+  operands: tuple       # tiles.CaptureOperand per captured array
+  scale: float
+  seq_q: int            # query tokens (before padding)
+  group: int            # query heads per kv head
+  fp32_exact: bool
+  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
+  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
 
   @property
   def online(self) -> OnlineRowNorm:
@@ -49,21 +58,13 @@ class VariantTiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardPlan(VariantTiles):
+class ForwardPlan(VariantPlan):
   """Static parameters of one forward kernel instance."""
-  analysis: VariantAnalysis
-  operands: tuple       # tiles.CaptureOperand per captured array
-  scale: float
-  seq_q: int            # true lengths (before padding)
-  seq_kv: int
+  seq_kv: int           # true length (before padding)
   block_q: int
   block_k: int
   num_kv_blocks: int    # kv blocks holding keys: ceil(seq_kv / block_k)
-  group: int            # query heads per kv head
-  fp32_exact: bool
   block_sparse: bool    # kv blocks come from a block mask
-  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
-  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
 
   def tile_keep(self, tile: tiles.TileContext, masked: bool, b, h, q_idx, kv_idx, cap_refs,
                 start, size):
