@@ -68,10 +68,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_attn import templates
 from pallas_attn.kernels import backend
-from pallas_attn.kernels.linear.chunked_forward import (
-    ChunkedSchedule, heuristic_linear_config)
+from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
+from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
 
@@ -147,7 +148,8 @@ def linear_attention(q, k, v, *, log_decay=None,
   d_values = next_power_of_2(max(values.shape[-1], 16))
   decay_kind = _kernel_decay_kind(spec.decay_kind)
   if config is None:
-    config = heuristic_linear_config(spec.seq_len, d_feature, d_values)
+    config = templates.LINEAR_FORWARD.default_config(ProblemShape.from_shapes(
+        q_features.shape, k_features.shape, values.shape, q.dtype))
   chunk = chunk_size or config.chunk_size
   block_v = min(config.block_v, d_values)
   seq_len = math.ceil(spec.seq_len / chunk) * chunk

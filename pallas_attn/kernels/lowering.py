@@ -225,9 +225,3 @@ def mosaic_config_error(config: AttentionConfig) -> str | None:
     return (f"a mosaic_gpu config needs block_q 64 or 128 (one or two consumer warpgroups) "
             f"and block_k a multiple of 64 up to 256; got {config}")
   return None
-
-
-def check_mosaic_config(config: AttentionConfig):
-  why = mosaic_config_error(config)
-  if why:
-    raise ValueError(why)
