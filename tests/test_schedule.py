@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from pallas_attn import tuning
 from pallas_attn.schedule import cache as cache_lib
+from pallas_attn.schedule import config as config_lib
 from pallas_attn.schedule import device as device_lib
 from pallas_attn.schedule import search_space as space_lib
 from pallas_attn.schedule import template as template_lib
@@ -552,3 +553,57 @@ def test_tune_needs_candidates():
   with pytest.raises(ValueError, match="nothing to tune"):
     tuner.tune(lambda c: None, [])
 
+
+# --- A template from outside schedule/ ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+  block: int = 32
+
+  def __post_init__(self):
+    config_lib.check_value("ToyConfig.block", self.block, config_lib.TILE)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ToyConfig":
+    return cls(**d)
+
+
+class ToyTemplate(template_lib.Template):
+  """A one-field template: blocks up to the query length."""
+  name = "toy"
+  config_class = ToyConfig
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return ToyConfig(32)
+
+  def prune_reason(self, config, shape, device):
+    return None if config.block <= shape.seq_q else f"block {config.block} > seq_q"
+
+  def axes(self, shape, device, default):
+    return {"block": (16, 32, 64, 128)}
+
+
+@pytest.fixture
+def toy_template():
+  toy = template_lib.register(ToyTemplate())
+  yield toy
+  del template_lib.REGISTRY[toy.name]
+
+
+def test_a_registered_template_is_searched_tuned_and_cached(toy_template, cache_path):
+  """The generic search, tuner and cache take a template defined outside
+  schedule/ by its registered name; a second template may not take the name."""
+  s = shape(seq_q=64, d_qk=16)
+  space = space_lib.search_space("toy", s, CPU)
+  assert space.candidates == (ToyConfig(32), ToyConfig(16), ToyConfig(64))  # nearest first
+  assert space.pruned == (space_lib.PrunedConfig(ToyConfig(128), "block 128 > seq_q"),)
+  result = tuner.tune_template("toy", "fp", lambda config: (lambda: jnp.ones(4)), s,
+                               warmup=1, reps=1)
+  assert result.baseline == ToyConfig(32) and result.best in space.candidates
+  assert _lookup(template="toy", s=s) == result.best
+  with pytest.raises(ValueError, match="registered already"):
+    template_lib.register(ToyTemplate())
