@@ -112,7 +112,8 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       q, k, v, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
       sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
       interpret=interpret, implementation=implementation, allow_split_kv=True)
-  out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
+  with backend.triton_deprecation_ignored():
+    out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
   if not return_lse:
     return out
   return out, (None if call.analysis.rownorm.kind == "elementwise" else stat)
@@ -197,8 +198,10 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
     mask = _mask_only(analysis)
     consts = mask.mask_mod.traced.consts
     shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
-    masks = (block_mask_cache.compiled_builder(mask, *shape)(consts)
-             if all(map(is_concrete, consts)) else block_mask_lib.build_block_masks(mask, *shape))
+    concrete = all(map(is_concrete, consts))
+    with backend.triton_deprecation_ignored():
+      masks = (block_mask_cache.compiled_builder(mask, *shape)(consts) if concrete
+               else block_mask_lib.build_block_masks(mask, *shape))
   # The kernels read the lists. Without the digest (checked), a passed mask
   # and a built one are pytrees of one structure, of [Bm, Hm, ...] leaves.
   return tuple(dataclasses.replace(m, digest=None) for m in masks)

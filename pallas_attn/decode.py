@@ -190,7 +190,8 @@ def _decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, ro
                      backend.resolve_interpret(interpret), queries_at_end=True,
                      page_size=None if page_table is None else k.shape[1])
   consts = _consts(analysis)
-  return _forward_only(q, k, v, lengths, page_table, consts, sinks, call=call)
+  with backend.triton_deprecation_ignored():
+    return _forward_only(q, k, v, lengths, page_table, consts, sinks, call=call)
 
 
 def _consts(analysis: VariantAnalysis) -> tuple:

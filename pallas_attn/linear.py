@@ -164,13 +164,14 @@ def linear_attention(q, k, v, *, log_decay=None,
       num_stages=config.num_stages,
       interpret=backend.resolve_interpret(interpret),
       out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name)
-  o, final_state = chunked_linear_attention(
-      _pad_to(q_features, padded + (d_feature,)),
-      _pad_to(k_features, padded + (d_feature,)),
-      _pad_to(values, padded + (d_values,)), kernel_log_decay,
-      _pad_to(initial_state.astype(jnp.float32),
-              (spec.batch, spec.heads, d_feature, d_values)),
-      schedule)
+  with backend.triton_deprecation_ignored():
+    o, final_state = chunked_linear_attention(
+        _pad_to(q_features, padded + (d_feature,)),
+        _pad_to(k_features, padded + (d_feature,)),
+        _pad_to(values, padded + (d_values,)), kernel_log_decay,
+        _pad_to(initial_state.astype(jnp.float32),
+                (spec.batch, spec.heads, d_feature, d_values)),
+        schedule)
   o = o[:, :spec.seq_len, :, :values.shape[-1]]
   final_state = final_state[:, :, :spec.d_feature, :values.shape[-1]]
   if spec.normalize:

@@ -102,5 +102,6 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
       _, pullback = jax.vjp(functools.partial(call, bwd_config=config), q, k, v)
       return lambda: apply_pullback(pullback, dout)
 
-  return tune_template(template, fingerprint, build, shape, block_sparse=block_sparse,
-                       **tuning)
+  with backend.triton_deprecation_ignored():  # the compiling threads see it too
+    return tune_template(template, fingerprint, build, shape, block_sparse=block_sparse,
+                         **tuning)
