@@ -40,12 +40,10 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.kernels.online import LOG2E
-from pallas_attn.kernels.parallel_forward import VariantPlan
-from pallas_attn.schedule.config import (DecodeConfig, heuristic_decode_config, next_power_of_2,
-                                         padded_head_dim)
+from pallas_attn.kernels.parallel_forward import VariantPlan, streamed_kv_use
+from pallas_attn.schedule.config import DecodeConfig, heuristic_decode_config, next_power_of_2
 from pallas_attn.schedule.device import DeviceConfig, device_config
-from pallas_attn.schedule.template import (ProblemShape, ResourceUse, TileCheck, TritonTemplate,
-                                           accumulator_registers, register)
+from pallas_attn.schedule.template import ProblemShape, TileCheck, TritonTemplate, register
 
 KEY_BLOCK_CHOICES = (32, 64, 128, 256)  # block_k searched
 
@@ -316,11 +314,7 @@ class DecodeTemplate(TritonTemplate):
     return config.block_rows, config.block_k
 
   def resource_use(self, config, shape, device):
-    d_qk, d_v = padded_head_dim(shape.d_qk), padded_head_dim(shape.d_v)
-    rows, bk = config.block_rows, config.block_k
-    smem = (config.num_stages * bk * (d_qk + d_v) + rows * d_qk) * shape.itemsize
-    # The output accumulator and the score tile.
-    return ResourceUse(smem, accumulator_registers(rows * d_v + rows * bk, config, device))
+    return streamed_kv_use(config.block_rows, config.block_k, config, shape, device)
 
   def tile_axes(self, shape, device, default):
     splits = default.num_splits

@@ -215,6 +215,15 @@ def block_mask_specs(arrays, group: int | None = None):
   return specs
 
 
+def streamed_kv_use(rows: int, keys: int, config, shape, device) -> ResourceUse:
+  """A program that keeps a tile of `rows` query rows resident and streams
+  K/V tiles of `keys` rows `config.num_stages` deep (the forward templates):
+  its shared memory, and its output accumulator and score tile."""
+  d_qk, d_v = padded_head_dim(shape.d_qk), padded_head_dim(shape.d_v)
+  smem = (config.num_stages * keys * (d_qk + d_v) + rows * d_qk) * shape.itemsize
+  return ResourceUse(smem, accumulator_registers(rows * d_v + rows * keys, config, device))
+
+
 class TritonParallelTemplate(TritonTemplate):
   """The parallel templates on Triton (the forward here, the backward in
   vjp/parallel_backward.py): tiles of block_q queries by block_k keys."""
@@ -247,11 +256,7 @@ class ForwardTemplate(TritonParallelTemplate):
                             block_sparse=block_sparse, itemsize=shape.itemsize)
 
   def resource_use(self, config, shape, device):
-    d_qk, d_v = padded_head_dim(shape.d_qk), padded_head_dim(shape.d_v)
-    bq, bk = config.block_q, config.block_k
-    smem = (config.num_stages * bk * (d_qk + d_v) + bq * d_qk) * shape.itemsize
-    # The output accumulator and the score tile.
-    return ResourceUse(smem, accumulator_registers(bq * d_v + bq * bk, config, device))
+    return streamed_kv_use(config.block_q, config.block_k, config, shape, device)
 
 
 TEMPLATE = register(ForwardTemplate())
