@@ -3,7 +3,10 @@
 Each template lives next to its kernel and registers itself in
 schedule/template.py's registry when its module is imported, which this
 module does for every one. The attention passes come per lowering
-(kernels/lowering.py's names): `FORWARD[lowering]`, `BACKWARD[lowering]`.
+(kernels/lowering.py's names): `FORWARD[lowering]`, `BACKWARD[lowering]`;
+besides the Template interface, each pass's template has its `lowering`
+and `obstacle(analysis, dtype, d_qk, d_v, interpret)`, why that lowering
+cannot run a call (None where it can).
 """
 from pallas_attn.kernels import mosaic_forward, parallel_forward
 from pallas_attn.kernels.decode_forward import TEMPLATE as DECODE

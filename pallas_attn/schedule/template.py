@@ -31,9 +31,13 @@ from pallas_attn.schedule.device import DeviceConfig, KiB
 
 class Config(Protocol):
   """A template's config: a frozen dataclass of integer fields (None where a
-  field is left to the schedule) that validates them on construction."""
+  field is left to the schedule) that validates them on construction, and
+  reads and writes the dicts that cache files hold."""
 
   def to_dict(self) -> dict: ...
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Config": ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +119,7 @@ class Template(abc.ABC):
     return None
 
   def check(self, config: Config) -> None:
-    """Raises a ValueError saying why the kernel cannot take `config`."""
+    """Raises a ValueError saying why, where the kernel cannot take `config`."""
     error = self.config_error(config)
     if error:
       raise ValueError(error)
