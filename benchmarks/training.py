@@ -187,7 +187,7 @@ def tune_rows(args, budget, out: str) -> list[Row]:
   from pallas_attn import analyze_variant
   from pallas_attn.cli import running_templates
   from pallas_attn.schedule import cache as cache_lib
-  from pallas_attn.schedule.tuner import tune_attention
+  from pallas_attn.tuning import tune_attention
   os.environ[cache_lib.CACHE_ENV] = os.path.join(out, "tuning_cache.json")
   rows = []
   for name in TUNE_CASES:

@@ -8,18 +8,18 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import decode, inputs
+from pallas_attn import decode, inputs, templates
 from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.kernels import block_mask_cache
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.schedule import cache as tuning_cache
-from pallas_attn.schedule.config import AttentionConfig, heuristic_config, round_up
+from pallas_attn.schedule.config import AttentionConfig, round_up
+from pallas_attn.schedule.template import ProblemShape, Template
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import is_concrete
 from pallas_attn.vjp import attention_vjp
-from pallas_attn.vjp.parallel_backward import heuristic_backward_config
 
 def _pad_to(x, axis, length):
   pad = length - x.shape[axis]
@@ -30,36 +30,21 @@ def _pad_to(x, axis, length):
   return jnp.pad(x, widths)
 
 
-# Per kernel template: the argument that sets its config, and the default
-# heuristic (of Sq, Skv, Dqk, Dv, whether a mask_mod makes it block sparse and
-# the input itemsize).
-_CONFIG_SOURCES = {
-    "forward": ("config", heuristic_config),
-    "forward_mosaic": ("config", lambda *dims, block_sparse, itemsize:
-                       lowering_lib.heuristic_mosaic_config(*dims, block_sparse=block_sparse)),
-    "backward": ("bwd_config",
-                 lambda *dims, block_sparse, itemsize: heuristic_backward_config(*dims)),
-    "backward_mosaic": ("bwd_config", lambda *dims, block_sparse, itemsize:
-                        lowering_lib.heuristic_mosaic_backward_config(*dims)),
-}
-
-
-def resolve_config(config, template: str, analysis: VariantAnalysis, q, k, v) -> AttentionConfig:
-  """The `template` pass's config: an explicit one, else a tuned one from the
-  cache, else the heuristic. A cache miss never triggers tuning (see
-  `pallas-attn tune`)."""
-  arg_name, heuristic = _CONFIG_SOURCES[template]
+def resolve_config(config, arg_name: str, template: Template, analysis: VariantAnalysis, q, k,
+                   v) -> AttentionConfig:
+  """The config of a pass (`arg_name` sets it) on `template`: an explicit
+  one (checked), else a tuned one from the cache, else the template's
+  heuristic. A cache miss never triggers tuning (see `pallas-attn tune`)."""
   if isinstance(config, AttentionConfig):
-    if template == "forward_mosaic":
-      lowering_lib.check_mosaic_config(config)
+    template.check(config)
     return config
   if config not in (None, "auto"):
     raise TypeError(f"{arg_name} must be an AttentionConfig, 'auto' or None; got {config!r}")
-  tuned = tuning_cache.lookup_config(template, analysis.fingerprint(), q_shape=q.shape,
+  tuned = tuning_cache.lookup_config(template.name, analysis.fingerprint(), q_shape=q.shape,
                                      k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
-  return (tuned
-          or heuristic(q.shape[1], k.shape[1], q.shape[3], v.shape[3],
-                       block_sparse=analysis.mask_mod is not None, itemsize=q.dtype.itemsize))
+  return tuned or template.default_config(
+      ProblemShape.from_shapes(q.shape, k.shape, v.shape, q.dtype),
+      block_sparse=analysis.mask_mod is not None)
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
@@ -127,7 +112,8 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       q, k, v, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
       sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
       interpret=interpret, implementation=implementation, allow_split_kv=True)
-  out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
+  with backend.triton_deprecation_ignored():
+    out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
   if not return_lse:
     return out
   return out, (None if call.analysis.rownorm.kind == "elementwise" else stat)
@@ -150,11 +136,9 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   interpret = backend.resolve_interpret(interpret)
   lowering = lowering_lib.choose(implementation, analysis, q.dtype, q.shape[3], v.shape[3],
                                  interpret, config, bwd_config)
-  mosaic = lowering_lib.MOSAIC_GPU
-  forward_template = "forward_mosaic" if lowering.forward == mosaic else "forward"
-  cfg = resolve_config(config, forward_template, analysis, q, k, v)
-  bwd_cfg = resolve_config(bwd_config,
-                           "backward_mosaic" if lowering.backward == mosaic else "backward",
+  forward_template = templates.FORWARD[lowering.forward]
+  cfg = resolve_config(config, "config", forward_template, analysis, q, k, v)
+  bwd_cfg = resolve_config(bwd_config, "bwd_config", templates.BACKWARD[lowering.backward],
                            analysis, q, k, v)
   split_kv = None  # a few queries: the split-KV template (pallas_attn/decode.py)
   if (allow_split_kv and config in (None, "auto") and implementation is None
@@ -164,12 +148,11 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
                  _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret))
   if block_masks is not None:
     fwd_mask, bwd_mask = block_masks
-    if forward_template == "forward_mosaic":
+    if lowering.forward == lowering_lib.MOSAIC_GPU:
       fwd_mask = _retiled(fwd_mask, cfg.block_q, cfg.block_k)
       block_masks = fwd_mask, bwd_mask
     cfg = dataclasses.replace(cfg, block_q=fwd_mask.block_q, block_k=fwd_mask.block_k)
-    if forward_template == "forward_mosaic":
-      lowering_lib.check_mosaic_config(cfg)
+    forward_template.check(cfg)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
   sinks = inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
@@ -215,8 +198,10 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
     mask = _mask_only(analysis)
     consts = mask.mask_mod.traced.consts
     shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
-    masks = (block_mask_cache.compiled_builder(mask, *shape)(consts)
-             if all(map(is_concrete, consts)) else block_mask_lib.build_block_masks(mask, *shape))
+    concrete = all(map(is_concrete, consts))
+    with backend.triton_deprecation_ignored():
+      masks = (block_mask_cache.compiled_builder(mask, *shape)(consts) if concrete
+               else block_mask_lib.build_block_masks(mask, *shape))
   # The kernels read the lists. Without the digest (checked), a passed mask
   # and a built one are pytrees of one structure, of [Bm, Hm, ...] leaves.
   return tuple(dataclasses.replace(m, digest=None) for m in masks)

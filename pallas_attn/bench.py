@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn import variants as V
-from pallas_attn.schedule.search_space import ProblemShape
+from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.schedule.timing import attention_flops, mask_density, median_time_ms
 
 SCHEMA = "pallas_attn.bench/1"

@@ -18,10 +18,12 @@ import pathlib
 import sys
 
 from pallas_attn import bench as bench_lib
+from pallas_attn import templates
 from pallas_attn.schedule import cache as cache_lib
-from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, ProblemShape,
-                                               default_config, format_config,
-                                               prune_reason, search_space)
+from pallas_attn.schedule import template as template_lib
+from pallas_attn.schedule.search_space import format_config, search_space
+from pallas_attn.schedule.template import ProblemShape
+from pallas_attn.tuning import ATTENTION_TEMPLATES, tune_attention
 
 DTYPES = ("bfloat16", "float16", "float32")
 _FILE_NAMES = ("score_mod", "mask_mod", "rownorm")
@@ -99,8 +101,8 @@ def _chosen_config(template: str, analysis, shape: ProblemShape):
                                    dtype=shape.dtype)
   if config is not None:
     return config, "from the tuning cache"
-  return (default_config(template, shape, block_sparse=analysis.mask_mod is not None),
-          "heuristic (no tuned cache entry)")
+  return (template_lib.get(template).default_config(
+      shape, block_sparse=analysis.mask_mod is not None), "heuristic (no tuned cache entry)")
 
 
 def running_templates(analysis, shape: ProblemShape) -> list[str]:
@@ -110,12 +112,9 @@ def running_templates(analysis, shape: ProblemShape) -> list[str]:
   from pallas_attn.kernels import backend, lowering
   choice = lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                            backend.default_interpret())
-  templates = [name + ("_mosaic" if pass_lowering == lowering.MOSAIC_GPU else "")
-               for name, pass_lowering in (("forward", choice.forward),
-                                           ("backward", choice.backward))]
-  if decode.prefers_split_kv(shape.seq_q, shape.seq_kv):
-    templates[0] = "decode"
-  return templates
+  forward = (templates.DECODE if decode.prefers_split_kv(shape.seq_q, shape.seq_kv)
+             else templates.FORWARD[choice.forward])
+  return [forward.name, templates.BACKWARD[choice.backward].name]
 
 
 def _progress(line: str) -> None:
@@ -124,7 +123,6 @@ def _progress(line: str) -> None:
 
 def cmd_tune(args) -> int:
   from pallas_attn.schedule.device import current_device_kind
-  from pallas_attn.schedule.tuner import tune_attention
   from pallas_attn.spec.analysis import analyze_variant
   shape = _shape(args)
   variant = load_variant(args.variant, shape)
@@ -175,11 +173,10 @@ def _describe_terms(template: str, analysis, shape: ProblemShape, config) -> str
   """What the hoisted terms cost in one pass (sequence lengths padded to
   this pass's blocks; the call pads to both passes'): the Triton templates
   load bank tiles, the Mosaic GPU ones read the terms' vectors as pairs."""
-  from pallas_attn.kernels import tiles
+  from pallas_attn.kernels import lowering, tiles
   from pallas_attn.schedule.config import round_up
-  from pallas_attn.schedule.search_space import MOSAIC_TEMPLATES
   seq_q, seq_kv = round_up(shape.seq_q, config.block_q), round_up(shape.seq_kv, config.block_k)
-  if template in MOSAIC_TEMPLATES:
+  if template_lib.get(template).lowering == lowering.MOSAIC_GPU:
     size = tiles.term_bytes(analysis, shape.heads_q, seq_q, seq_kv)
     return (f"diagonal terms: read as neighbour pairs of their float32 vectors over q - kv "
             f"([heads, Sq + Skv - 1, 2] per term, {size / 2**10:.0f} KiB), one load per pair a "
@@ -216,7 +213,7 @@ def cmd_explain(args) -> int:
     print(f"{template}: {format_config(config)}  [{source}]")
     if template != "decode" and analysis.score_mod is not None and analysis.score_mod.terms:
       print("  " + _describe_terms(template, analysis, shape, config))
-    reason = prune_reason(template, config, shape, device)
+    reason = template_lib.get(template).prune_reason(config, shape, device)
     if reason:
       print(f"  warning: the resource model rejects it: {reason}")
     print("  " + search_space(template, shape, device,

@@ -15,18 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import inputs
+from pallas_attn import inputs, templates
 from pallas_attn.kernels import backend, decode_forward, tiles
 from pallas_attn.schedule import cache as tuning_cache
-from pallas_attn.schedule import search_space
 from pallas_attn.schedule.config import MAX_DECODE_QUERIES, DecodeConfig, prefers_split_kv
 from pallas_attn.schedule.device import device_config
+from pallas_attn.schedule.search_space import format_config
+from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.mask_bounds import live_kv_blocks
 from pallas_attn.spec.trace import is_concrete
-
-TEMPLATE = "decode"  # the tuning cache's name of the split-KV template
-
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mod=None,
                      rownorm="softmax", sinks=None, scale=None, config=None, interpret=None):
@@ -152,10 +150,11 @@ def resolve_config(config, analysis: VariantAnalysis, q, k_shape, v_shape) -> De
   if config not in (None, "auto") and not isinstance(config, DecodeConfig):
     raise TypeError(f"config must be a DecodeConfig, 'auto' or None; got {config!r}")
   if not isinstance(config, DecodeConfig):
-    config = tuning_cache.lookup_config(TEMPLATE, analysis.fingerprint(), q_shape=q.shape,
-                                        k_shape=k_shape, v_shape=v_shape, dtype=q.dtype)
-  shape = search_space.ProblemShape.from_shapes(q.shape, k_shape, v_shape, q.dtype)
-  return search_space.decode_schedule(shape, device_config(), base=config)
+    config = tuning_cache.lookup_config(templates.DECODE.name, analysis.fingerprint(),
+                                        q_shape=q.shape, k_shape=k_shape, v_shape=v_shape,
+                                        dtype=q.dtype)
+  shape = ProblemShape.from_shapes(q.shape, k_shape, v_shape, q.dtype)
+  return templates.DECODE.schedule(shape, device_config(), base=config)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -191,7 +190,8 @@ def _decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, ro
                      backend.resolve_interpret(interpret), queries_at_end=True,
                      page_size=None if page_table is None else k.shape[1])
   consts = _consts(analysis)
-  return _forward_only(q, k, v, lengths, page_table, consts, sinks, call=call)
+  with backend.triton_deprecation_ignored():
+    return _forward_only(q, k, v, lengths, page_table, consts, sinks, call=call)
 
 
 def _consts(analysis: VariantAnalysis) -> tuple:
@@ -276,4 +276,4 @@ def describe_dispatch(analysis: VariantAnalysis, q_shape, k_shape, v_shape, dtyp
   cfg = resolve_config(None, analysis, q, k_shape, v_shape)
   return (f"forward template: split-KV decoding on triton (tiles of {q_shape[2] // k_shape[2]} query "
           f"heads x {q_shape[1]} tokens, keys split {cfg.num_splits} ways; "
-          f"{search_space.format_config(cfg)}; differentiated: the parallel template)")
+          f"{format_config(cfg)}; differentiated: the parallel template)")

@@ -68,10 +68,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_attn import templates
 from pallas_attn.kernels import backend
-from pallas_attn.kernels.linear.chunked_forward import (
-    ChunkedSchedule, heuristic_linear_config)
+from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
+from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
 
@@ -147,7 +148,8 @@ def linear_attention(q, k, v, *, log_decay=None,
   d_values = next_power_of_2(max(values.shape[-1], 16))
   decay_kind = _kernel_decay_kind(spec.decay_kind)
   if config is None:
-    config = heuristic_linear_config(spec.seq_len, d_feature, d_values)
+    config = templates.LINEAR_FORWARD.default_config(ProblemShape.from_shapes(
+        q_features.shape, k_features.shape, values.shape, q.dtype))
   chunk = chunk_size or config.chunk_size
   block_v = min(config.block_v, d_values)
   seq_len = math.ceil(spec.seq_len / chunk) * chunk
@@ -162,13 +164,14 @@ def linear_attention(q, k, v, *, log_decay=None,
       num_stages=config.num_stages,
       interpret=backend.resolve_interpret(interpret),
       out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name)
-  o, final_state = chunked_linear_attention(
-      _pad_to(q_features, padded + (d_feature,)),
-      _pad_to(k_features, padded + (d_feature,)),
-      _pad_to(values, padded + (d_values,)), kernel_log_decay,
-      _pad_to(initial_state.astype(jnp.float32),
-              (spec.batch, spec.heads, d_feature, d_values)),
-      schedule)
+  with backend.triton_deprecation_ignored():
+    o, final_state = chunked_linear_attention(
+        _pad_to(q_features, padded + (d_feature,)),
+        _pad_to(k_features, padded + (d_feature,)),
+        _pad_to(values, padded + (d_values,)), kernel_log_decay,
+        _pad_to(initial_state.astype(jnp.float32),
+                (spec.batch, spec.heads, d_feature, d_values)),
+        schedule)
   o = o[:, :spec.seq_len, :, :values.shape[-1]]
   final_state = final_state[:, :, :spec.d_feature, :values.shape[-1]]
   if spec.normalize:

@@ -243,10 +243,11 @@ def test_traced_lengths_and_table():
 def test_tuner_covers_the_split_kv_template(tmp_path, monkeypatch):
   """`tune_attention(template="decode")` times split-KV configs and stores
   the winner, which decode_attention then uses."""
-  from pallas_attn.schedule import cache, tuner
+  from pallas_attn import tuning
+  from pallas_attn.schedule import cache
   monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "tuning.json"))
   shapes = (2, 1, 4, 16), (2, 64, 2, 16), (2, 64, 2, 16)
-  result = tuner.tune_attention(*shapes, dtype="float32", template="decode",
+  result = tuning.tune_attention(*shapes, dtype="float32", template="decode",
                                 max_candidates=2, budget_s=60)
   assert isinstance(result.best, pa.DecodeConfig) and result.best.num_splits >= 1
   q, k, v = inputs(batch=2, seq=64, d_v=16)  # the tuned shapes (d_v keys the cache)
@@ -254,4 +255,4 @@ def test_tuner_covers_the_split_kv_template(tmp_path, monkeypatch):
                              k_shape=k.shape, v_shape=v.shape, dtype=q.dtype) == result.best
   assert decode.resolve_config(None, pa.analyze_variant(), q, k.shape, v.shape) == result.best
   with pytest.raises(ValueError, match="1 to 16 query tokens"):
-    tuner.tune_attention((2, 32, 4, 16), *shapes[1:], template="decode")
+    tuning.tune_attention((2, 32, 4, 16), *shapes[1:], template="decode")

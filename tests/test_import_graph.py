@@ -74,3 +74,16 @@ def test_finds_a_planted_cycle():
 def test_no_import_cycles():
   cycle = find_cycle(import_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_schedule_depends_on_nothing_above_it():
+  """The scheduler's modules (configs, device model, cache, search, tuner)
+  reach templates through schedule/template.py's registry, never by
+  importing kernels, vjp or the API modules that run them."""
+  graph = import_graph()
+  climbing = {(module, target) for module, targets in graph.items()
+              if module.startswith("pallas_attn.schedule.") for target in targets
+              if not target.startswith("pallas_attn.schedule.")
+              and target != "pallas_attn._version"}
+  assert not climbing, "schedule imports from above: " + ", ".join(
+      f"{module} -> {target}" for module, target in sorted(climbing))

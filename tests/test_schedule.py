@@ -13,12 +13,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from pallas_attn import tuning
 from pallas_attn.schedule import cache as cache_lib
+from pallas_attn.schedule import config as config_lib
 from pallas_attn.schedule import device as device_lib
 from pallas_attn.schedule import search_space as space_lib
+from pallas_attn.schedule import template as template_lib
 from pallas_attn.schedule import timing, tuner
 from pallas_attn.schedule.config import AttentionConfig, DecodeConfig, LinearAttentionConfig
 
+MOSAIC_TEMPLATES = ("forward_mosaic", "backward_mosaic")
 H100 = device_lib.lookup_device("NVIDIA H100 80GB HBM3")
 CPU = device_lib.lookup_device("cpu")
 
@@ -26,9 +30,13 @@ CPU = device_lib.lookup_device("cpu")
 def shape(batch=1, seq_q=4096, seq_kv=None, heads=8, kv_heads=None, d_qk=128, d_v=None,
           dtype="bfloat16"):
   seq_kv, kv_heads, d_v = seq_kv or seq_q, kv_heads or heads, d_v or d_qk
-  return space_lib.ProblemShape.from_shapes(
+  return template_lib.ProblemShape.from_shapes(
       (batch, seq_q, heads, d_qk), (batch, seq_kv, kv_heads, d_qk),
       (batch, seq_kv, kv_heads, d_v), dtype)
+
+
+def prune_reason(template, config, problem, device):
+  return template_lib.get(template).prune_reason(config, problem, device)
 
 
 @pytest.fixture
@@ -120,7 +128,7 @@ def test_configs_accept_the_allowed_values():
   assert DecodeConfig(16, 1, 16, 1, 1).num_splits == 1
 
 
-@pytest.mark.parametrize("template", list(space_lib.TEMPLATES))
+@pytest.mark.parametrize("template", list(template_lib.REGISTRY))
 @pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "AMD Instinct MI300X", "cpu"])
 def test_default_configs_are_valid(template, kind):
   """The heuristics construct valid configs for short, odd and long shapes
@@ -132,14 +140,15 @@ def test_default_configs_are_valid(template, kind):
         problem = shape(seq_q=seq_q, seq_kv=seq_kv, heads=8, kv_heads=2, d_qk=d_qk, d_v=d_v,
                         dtype=dtype)
         for block_sparse in (False, True):
-          space_lib.default_config(template, problem, block_sparse=block_sparse, device=device)
+          template_lib.get(template).default_config(problem, device, block_sparse=block_sparse)
 
 
 # --- Resource model and search space ---------------------------------------------
 
 
 def test_resource_use_forward():
-  use = space_lib.resource_use("forward", AttentionConfig(128, 64, 8, 3), shape(), H100)
+  use = template_lib.get("forward").resource_use(AttentionConfig(128, 64, 8, 3), shape(),
+                                                 H100)
   assert use.smem_bytes == (3 * 64 * (128 + 128) + 128 * 128) * 2  # K/V stages + Q tile
   assert use.acc_registers == (128 * 128 + 128 * 64) // 256
 
@@ -153,30 +162,30 @@ def test_resource_use_forward():
     ("linear_forward", LinearAttentionConfig(64, 256, 4, 2), "block_v 256 > padded d_v 128"),
 ])
 def test_prune_reasons(template, config, reason):
-  assert reason in space_lib.prune_reason(template, config, shape(), H100)
+  assert reason in prune_reason(template, config, shape(), H100)
 
 
 def test_tiles_off_the_mma_tile_are_pruned():
   wide_mma = dataclasses.replace(H100, mma_tile=(32, 8, 16))
-  assert "block_q 16 is not a multiple of the 32-wide MMA tile" in space_lib.prune_reason(
+  assert "block_q 16 is not a multiple of the 32-wide MMA tile" in prune_reason(
       "forward", AttentionConfig(16, 64, 4, 1), shape(), wide_mma)
 
 
 def test_tiles_larger_than_padded_sequence_are_pruned():
   short = shape(seq_q=40, seq_kv=100)
-  assert space_lib.prune_reason("forward", AttentionConfig(64, 128, 4, 1), short, H100) is None
-  assert "padded seq_q 64" in space_lib.prune_reason(
+  assert prune_reason("forward", AttentionConfig(64, 128, 4, 1), short, H100) is None
+  assert "padded seq_q 64" in prune_reason(
       "forward", AttentionConfig(128, 64, 4, 1), short, H100)
 
 
 def test_smaller_shared_memory_prunes_more():
   a100 = device_lib.lookup_device("NVIDIA A100-SXM4-80GB")
   config = AttentionConfig(128, 128, 8, 3)  # 224 KiB
-  assert space_lib.prune_reason("forward", config, shape(), H100) is None
-  assert "> 163 KiB limit" in space_lib.prune_reason("forward", config, shape(), a100)
+  assert prune_reason("forward", config, shape(), H100) is None
+  assert "> 163 KiB limit" in prune_reason("forward", config, shape(), a100)
 
 
-@pytest.mark.parametrize("template", list(space_lib.TEMPLATES))
+@pytest.mark.parametrize("template", list(template_lib.REGISTRY))
 @pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
                                   "AMD Instinct MI300X"])
 def test_search_space_partitions_the_product(template, kind):
@@ -185,7 +194,7 @@ def test_search_space_partitions_the_product(template, kind):
   axes = space_lib.default_axes(template, shape(), device)
   assert len(space.candidates) + len(space.pruned) == np.prod([len(v) for v in axes.values()])
   assert space.candidates, space.summary(verbose=True)
-  assert all(space_lib.prune_reason(template, c, shape(), device) is None
+  assert all(prune_reason(template, c, shape(), device) is None
              for c in space.candidates)
   assert all(p.reason for p in space.pruned)
 
@@ -208,26 +217,24 @@ def test_mosaic_search_spaces():
   assert forward.candidates[0] == forward.default == AttentionConfig(128, 128, 12, 2)
   assert all(c.num_warps == 4 * (c.block_q // 64 + 1) for c in forward.candidates)
   assert AttentionConfig(128, 64, 12, 4) in forward.candidates
-  reason = space_lib.prune_reason("forward_mosaic", AttentionConfig(128, 256, 12, 2),
-                                  shape(), H100)
+  reason = prune_reason("forward_mosaic", AttentionConfig(128, 256, 12, 2), shape(), H100)
   assert "> 227 KiB limit" in reason
   backward = space_lib.search_space("backward_mosaic", shape(), H100)
   assert backward.default == AttentionConfig(128, 128, 12, 4) in backward.candidates
   assert {c.block_k for c in backward.candidates} == {64, 128}
-  reason = space_lib.prune_reason("backward_mosaic", AttentionConfig(128, 128, 12, 8),
-                                  shape(), H100)
+  reason = prune_reason("backward_mosaic", AttentionConfig(128, 128, 12, 8), shape(), H100)
   assert "shared memory holds 3 (dq) and 4 (dk/dv) ring slots" in reason
-  assert "run 12" in space_lib.prune_reason("forward_mosaic", AttentionConfig(128, 64, 8, 2),
-                                            shape(), H100)
-  assert "block_q 64 or 128" in space_lib.prune_reason("forward_mosaic",
-                                                       AttentionConfig(32, 64, 8, 2), shape(), H100)
+  assert "run 12" in prune_reason("forward_mosaic", AttentionConfig(128, 64, 8, 2), shape(),
+                                  H100)
+  assert "block_q 64 or 128" in prune_reason("forward_mosaic", AttentionConfig(32, 64, 8, 2),
+                                             shape(), H100)
 
 
-@pytest.mark.parametrize("template", space_lib.MOSAIC_TEMPLATES)
+@pytest.mark.parametrize("template", MOSAIC_TEMPLATES)
 def test_tuning_a_mosaic_template_where_it_cannot_run_says_why(template):
   s = shape(batch=1, seq_q=64, heads=1, d_qk=64)
   with pytest.raises(ValueError, match="cannot run this call"):
-    tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, template=template, store=False)
+    tuning.tune_attention(s.q_shape, s.k_shape, s.v_shape, template=template, store=False)
 
 
 @pytest.mark.gpu
@@ -237,8 +244,8 @@ def test_tune_mosaic_templates_then_attention_uses_them(cache_path):
   attention(): its results equal the heuristic configs' results."""
   import pallas_attn as pa
   s = shape(batch=1, seq_q=256, heads=2, d_qk=64)
-  for template in space_lib.MOSAIC_TEMPLATES:
-    result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, template=template,
+  for template in MOSAIC_TEMPLATES:
+    result = tuning.tune_attention(s.q_shape, s.k_shape, s.v_shape, template=template,
                                   max_candidates=3, warmup=1, reps=2)
     assert result.trials[0].ok, result.trials[0].error
     assert _lookup(template=template, fingerprint=pa.analyze_variant().fingerprint(),
@@ -247,8 +254,9 @@ def test_tune_mosaic_templates_then_attention_uses_them(cache_path):
              for i, sh in enumerate((s.q_shape, s.k_shape, s.v_shape)))
   loss = lambda q, k, v, **kw: jnp.sum(pa.attention(q, k, v, **kw).astype(jnp.float32) ** 2)
   tuned = jax.grad(loss, (0, 1, 2))(q, k, v)
-  heuristic = jax.grad(functools.partial(loss, config=space_lib.default_config(
-      "forward_mosaic", s), bwd_config=space_lib.default_config("backward_mosaic", s)),
+  heuristic = jax.grad(functools.partial(
+      loss, config=template_lib.get("forward_mosaic").default_config(s),
+      bwd_config=template_lib.get("backward_mosaic").default_config(s)),
       (0, 1, 2))(q, k, v)
   for a, b in zip(tuned, heuristic):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -271,9 +279,9 @@ def test_candidates_fit_the_device(seq_q, seq_kv, d, dtype, kind):
   problem = shape(seq_q=seq_q, seq_kv=seq_kv, d_qk=d, dtype=dtype)
   for template in ("forward", "backward"):
     for c in space_lib.search_space(template, problem, device).candidates:
-      use = space_lib.resource_use(template, c, problem, device)
+      use = template_lib.get(template).resource_use(c, problem, device)
       assert use.smem_bytes <= device.smem_per_block
-      assert use.acc_registers <= space_lib.register_budget(c.num_warps, device)
+      assert use.acc_registers <= template_lib.register_budget(c.num_warps, device)
       assert c.block_q <= max(16, 2 ** (seq_q - 1).bit_length())
       assert c.block_k <= max(16, 2 ** (seq_kv - 1).bit_length())
 
@@ -281,8 +289,8 @@ def test_candidates_fit_the_device(seq_q, seq_kv, d, dtype, kind):
 def test_masked_default_takes_wide_key_blocks():
   """Under a mask_mod, heads up to 128 default to 128x128 forward tiles;
   dense variants, small heads and larger heads keep theirs."""
-  forward = lambda d, block_sparse: space_lib.default_config(
-      "forward", shape(d_qk=d, d_v=d), block_sparse=block_sparse)
+  forward = lambda d, block_sparse: template_lib.get("forward").default_config(
+      shape(d_qk=d, d_v=d), block_sparse=block_sparse)
   assert (forward(128, True).block_q, forward(128, True).block_k) == (128, 128)
   assert forward(128, False).block_k == 64
   assert forward(64, True) == forward(64, False)
@@ -293,7 +301,7 @@ def test_problem_shape_validation():
   with pytest.raises(ValueError, match="multiple of kv heads"):
     shape(heads=6, kv_heads=4)
   with pytest.raises(ValueError, match="inconsistent"):
-    space_lib.ProblemShape.from_shapes((1, 8, 2, 16), (1, 8, 2, 32), (1, 8, 2, 16), "float32")
+    template_lib.ProblemShape.from_shapes((1, 8, 2, 16), (1, 8, 2, 32), (1, 8, 2, 16), "float32")
 
 
 # --- Timing ---------------------------------------------------------------------
@@ -513,7 +521,7 @@ def test_tune_attention_forward_on_interpret(cache_path):
   from pallas_attn import analyze_variant
   causal = lambda b, h, q, k: q >= k
   s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
-  result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
+  result = tuning.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
                                 mask_mod=causal, budget_s=60, warmup=1, reps=2)
   assert all(t.ok for t in result.trials) and len(result.trials) == 4
   fingerprint = analyze_variant(mask_mod=causal).fingerprint()
@@ -522,7 +530,7 @@ def test_tune_attention_forward_on_interpret(cache_path):
 
 def test_tune_attention_backward_on_interpret(cache_path):
   s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
-  result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
+  result = tuning.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
                                 template="backward", max_candidates=2, warmup=1, reps=2,
                                 store=False)
   assert sum(t.ok for t in result.trials) == 2
@@ -534,7 +542,7 @@ def test_tune_attention_masked_backward_searches_its_own_blocks(cache_path):
   the backward's tiles are searched, not pinned to the forward's."""
   s = shape(batch=1, seq_q=32, heads=2, d_qk=16, dtype="float32")
   forward = AttentionConfig(16, 32, 4, 3)
-  result = tuner.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
+  result = tuning.tune_attention(s.q_shape, s.k_shape, s.v_shape, dtype="float32",
                                 mask_mod=lambda b, h, q, k: q >= k, template="backward",
                                 forward_config=forward, warmup=1, reps=2, store=False)
   assert all(t.ok for t in result.trials)
@@ -544,3 +552,58 @@ def test_tune_attention_masked_backward_searches_its_own_blocks(cache_path):
 def test_tune_needs_candidates():
   with pytest.raises(ValueError, match="nothing to tune"):
     tuner.tune(lambda c: None, [])
+
+
+# --- A template from outside schedule/ ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+  block: int = 32
+
+  def __post_init__(self):
+    config_lib.check_value("ToyConfig.block", self.block, config_lib.TILE)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ToyConfig":
+    return cls(**d)
+
+
+class ToyTemplate(template_lib.Template):
+  """A one-field template: blocks up to the query length."""
+  name = "toy"
+  config_class = ToyConfig
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return ToyConfig(32)
+
+  def prune_reason(self, config, shape, device):
+    return None if config.block <= shape.seq_q else f"block {config.block} > seq_q"
+
+  def axes(self, shape, device, default):
+    return {"block": (16, 32, 64, 128)}
+
+
+@pytest.fixture
+def toy_template():
+  toy = template_lib.register(ToyTemplate())
+  yield toy
+  del template_lib.REGISTRY[toy.name]
+
+
+def test_a_registered_template_is_searched_tuned_and_cached(toy_template, cache_path):
+  """The generic search, tuner and cache take a template defined outside
+  schedule/ by its registered name; a second template may not take the name."""
+  s = shape(seq_q=64, d_qk=16)
+  space = space_lib.search_space("toy", s, CPU)
+  assert space.candidates == (ToyConfig(32), ToyConfig(16), ToyConfig(64))  # nearest first
+  assert space.pruned == (space_lib.PrunedConfig(ToyConfig(128), "block 128 > seq_q"),)
+  result = tuner.tune_template("toy", "fp", lambda config: (lambda: jnp.ones(4)), s,
+                               warmup=1, reps=1)
+  assert result.baseline == ToyConfig(32) and result.best in space.candidates
+  assert _lookup(template="toy", s=s) == result.best
+  with pytest.raises(ValueError, match="registered already"):
+    template_lib.register(ToyTemplate())

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_attn.distributed import layout as layout_lib
 from pallas_attn.distributed import ring as ring_lib
+from pallas_attn.kernels import backend
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.mask_bounds import keeps_nothing_between
 
@@ -85,8 +86,9 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
 
   in_specs = (qkv_spec,) * 3 + (ids_spec,) * 2
   args = [_resharded(x, mesh, spec) for x, spec in zip((q, k, v, *ids), in_specs)]
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(*args)
+  with backend.triton_deprecation_ignored():
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)
 
 
 def _resharded(x, mesh, spec):

@@ -8,6 +8,7 @@ later stand beside the Triton one by adding a branch here.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -30,10 +31,27 @@ def compiler_params(num_warps: int, num_stages: int):
   return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-# JAX 0.11 warns at lowering (often inside jit compilation) that the Triton
-# backend is deprecated. We select it on purpose and keep that choice here.
-warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
-                        category=DeprecationWarning)
+# JAX 0.11 warns, each time it lowers a Triton pallas_call, that the backend
+# is deprecated. We select it on purpose and keep that choice here.
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+@contextlib.contextmanager
+def triton_deprecation_ignored():
+  """Ignores JAX's deprecation warning of the Triton backend inside the
+  block, and restores `warnings.filters` after it.
+
+  JAX lowers a pallas_call where the jitted function around it is first
+  run. Our entry points enter this block around the calls that compile
+  our kernels: their jitted cores when called eagerly, the block-mask
+  builders, the tuner. Under the caller's own jit the kernels lower when
+  that jit compiles, with none of our code running, and the warning is
+  JAX's to show (Python's default filters hide a library's
+  DeprecationWarnings).
+  """
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+    yield
 
 
 def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, num_warps: int,

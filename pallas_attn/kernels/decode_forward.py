@@ -24,6 +24,10 @@ the live blocks' range comes per (sequence, kv head) from
 `spec.mask_bounds.live_kv_blocks` and only it is split. The cache is contiguous
 `[B, S_max, Hkv, D]` or paged `[num_pages, page_size, Hkv, D]` read through
 a page table (clamped into the pages: no out-of-bounds read).
+
+`TEMPLATE` is the template as the scheduler sees it (schedule/template.py):
+K/V tiles pipelined `num_stages` deep next to a resident tile of packed
+query rows, the keys split `num_splits` ways.
 """
 from __future__ import annotations
 
@@ -36,28 +40,25 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.kernels.online import LOG2E
-from pallas_attn.kernels.parallel_forward import VariantTiles
-from pallas_attn.schedule.config import DecodeConfig, next_power_of_2
-from pallas_attn.spec.analysis import VariantAnalysis
+from pallas_attn.kernels.parallel_forward import VariantPlan, streamed_kv_use
+from pallas_attn.schedule.config import DecodeConfig, heuristic_decode_config, next_power_of_2
+from pallas_attn.schedule.device import DeviceConfig, device_config
+from pallas_attn.schedule.template import ProblemShape, TileCheck, TritonTemplate, register
+
+KEY_BLOCK_CHOICES = (32, 64, 128, 256)  # block_k searched
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodePlan(VariantTiles):
-  """Static parameters of one split-KV kernel instance."""
-  analysis: VariantAnalysis  # reads by head or query index are gathers (tiles.gathered_per_row)
-  operands: tuple            # tiles.CaptureOperand per captured array
-  scale: float
-  seq_q: int                 # query tokens per sequence
-  group: int                 # query heads per kv head
+class DecodePlan(VariantPlan):
+  """Static parameters of one split-KV kernel instance. Its analysis reads
+  by head or query index as gathers (tiles.gathered_per_row); seq_q is the
+  query tokens per sequence; the sink logits apply when finalizing."""
   d_qk: int
   d_v: int
   max_length: int            # keys a sequence may have (S_max, or pages x page size)
   queries_at_end: bool       # token i at kv_len - seq_q + i (decoding), else at i
   page_size: int | None      # paged cache; None: contiguous
   has_ranges: bool           # live kv block ranges from mask_bounds.live_kv_blocks
-  has_sink: bool             # softmax sink logits [Hq] (log2 units), applied when finalizing
-  fp32_exact: bool
-  fast_math: bool
   config: DecodeConfig       # complete (heuristic_decode_config)
 
   @property
@@ -276,3 +277,50 @@ def combine(acc, stats, sink2, *, plan: DecodePlan, dtype):
   stat = stat.reshape(batch, heads_kv, seq_q, group).transpose(0, 1, 3, 2)
   return (out.reshape(batch, seq_q, heads_kv * group, d_v).astype(dtype),
           stat.reshape(batch, heads_kv * group, seq_q))
+
+
+class DecodeTemplate(TritonTemplate):
+  name = "decode"
+  config_class = DecodeConfig
+
+  def schedule(self, shape: ProblemShape, device: DeviceConfig,
+               base: DecodeConfig | None = None) -> DecodeConfig:
+    """The config for a shape (`seq_kv`: the cache's length) on a device:
+    `base`'s fields where set, the schedule's (`heuristic_decode_config`)
+    elsewhere."""
+    return heuristic_decode_config(
+        shape.batch, shape.heads_kv, shape.seq_q * (shape.heads_q // shape.heads_kv),
+        shape.seq_kv, shape.d_qk, shape.d_v, itemsize=shape.itemsize,
+        sm_count=device.sm_count, smem_per_block=device.smem_per_block, base=base)
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return self.schedule(shape, device_config() if device is None else device)
+
+  def tile_checks(self, config, shape, device):
+    mma_m, mma_n, mma_k = device.mma_tile
+    packed = shape.seq_q * (shape.heads_q // shape.heads_kv)
+    return [TileCheck("block_rows", config.block_rows, mma_m,
+                      max(mma_m, next_power_of_2(packed)), "padded query rows"),
+            TileCheck("block_k", config.block_k, max(mma_n, mma_k),
+                      max(16, next_power_of_2(shape.seq_kv)), "padded seq_kv")]
+
+  def shape_reason(self, config, shape, device):
+    key_blocks = -(-shape.seq_kv // config.block_k)
+    if not 1 <= config.num_splits <= key_blocks:
+      return f"num_splits {config.num_splits} not in [1, {key_blocks} key blocks]"
+    return super().shape_reason(config, shape, device)
+
+  def score_tile(self, config):
+    return config.block_rows, config.block_k
+
+  def resource_use(self, config, shape, device):
+    return streamed_kv_use(config.block_rows, config.block_k, config, shape, device)
+
+  def tile_axes(self, shape, device, default):
+    splits = default.num_splits
+    return {"block_k": KEY_BLOCK_CHOICES,
+            "num_splits": tuple(sorted({max(1, splits // 2), splits, 2 * splits, 4 * splits})),
+            "block_rows": (default.block_rows,)}
+
+
+TEMPLATE = register(DecodeTemplate())

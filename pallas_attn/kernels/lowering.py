@@ -197,7 +197,7 @@ def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
   if max(d_qk, d_v) <= 64 and seq_kv >= 256 and not block_sparse:
     block_k = 256
   return AttentionConfig(block_q=block_q, block_k=block_k,
-                         num_warps=4 * (block_q // mosaic_backend.WG_ROWS + 1), num_stages=2)
+                         num_warps=mosaic_backend.num_warps(block_q), num_stages=2)
 
 
 def heuristic_mosaic_backward_config(seq_q: int, seq_kv: int, d_qk: int,
@@ -209,7 +209,7 @@ def heuristic_mosaic_backward_config(seq_q: int, seq_kv: int, d_qk: int,
   block_q = 64 if seq_q <= 64 else 128
   block_k = 64 if seq_kv <= 64 else 128
   return AttentionConfig(block_q=block_q, block_k=block_k,
-                         num_warps=4 * (max(block_q, block_k) // mosaic_backend.WG_ROWS + 1),
+                         num_warps=mosaic_backend.num_warps(max(block_q, block_k)),
                          num_stages=4)
 
 
@@ -225,9 +225,3 @@ def mosaic_config_error(config: AttentionConfig) -> str | None:
     return (f"a mosaic_gpu config needs block_q 64 or 128 (one or two consumer warpgroups) "
             f"and block_k a multiple of 64 up to 256; got {config}")
   return None
-
-
-def check_mosaic_config(config: AttentionConfig):
-  why = mosaic_config_error(config)
-  if why:
-    raise ValueError(why)

@@ -38,6 +38,12 @@ WG_ROWS = 64       # query rows per consumer warpgroup: the M of one wgmma
 SWIZZLE_BYTES = 128
 
 
+def num_warps(consumer_rows: int) -> int:
+  """The warps of a program whose consumers own `consumer_rows` rows: a
+  warpgroup (4 warps) per 64 rows and the producer's."""
+  return 4 * (consumer_rows // WG_ROWS + 1)
+
+
 def _compute_capability(device) -> tuple[int, int] | None:
   text = str(getattr(device, "compute_capability", "") or "")
   try:

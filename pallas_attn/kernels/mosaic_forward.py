@@ -20,9 +20,16 @@ state is online.OnlineRowNorm with Mosaic's row layout. Producer and
 consumers visit the same kv blocks in the same order: the full ones of the
 q block's list unmasked, then the partial ones masked (or, without a block
 mask, every key block, the ragged last one masked).
+
+`TEMPLATE` is the forward as the scheduler sees it (schedule/template.py);
+`MosaicTemplate` is what it shares with the backward's: the knobs are the
+tiles (64 rows per consumer warpgroup, so block_q / 64 consumers) and the
+ring depth, num_warps follows from the tiles, and shared memory comes from
+the kernels' own accounting.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 
@@ -31,10 +38,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.online import LOG2E
 from pallas_attn.kernels.parallel_forward import ForwardPlan
-from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.schedule.config import AttentionConfig, next_power_of_2
+from pallas_attn.schedule.template import Template, register, shared_memory_reason
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
@@ -321,3 +330,77 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   )
   out, lse = kernel(q, k, v, *capture_arrays, *sink_inputs, *block_mask_arrays)
   return out, lse, None
+
+
+class MosaicTemplate(Template):
+  """The parallel templates on Mosaic GPU (the forward here, the backward in
+  vjp/mosaic_backward.py)."""
+  config_class = AttentionConfig
+  lowering = lowering_lib.MOSAIC_GPU
+  block_q_choices = (64, 128)  # one or two consumer warpgroups
+  block_k_choices: tuple
+  stage_choices = (1, 2, 3, 4, 6, 8)
+
+  @abc.abstractmethod
+  def consumer_rows(self, block_q: int, block_k: int) -> int:
+    """The rows a program's consumer warpgroups own."""
+
+  @abc.abstractmethod
+  def memory_reason(self, config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
+                    device) -> str | None:
+    """Why the kernels cannot hold `config`'s tiles in shared memory, or None."""
+
+  @abc.abstractmethod
+  def obstacle(self, analysis, dtype, d_qk: int, d_v: int, interpret: bool) -> str | None:
+    """Why this lowering cannot run the pass for a call, or None."""
+
+  def num_warps(self, block_q: int, block_k: int) -> int:
+    return mb.num_warps(self.consumer_rows(block_q, block_k))
+
+  def with_derived_fields(self, config):
+    return dataclasses.replace(config, num_warps=self.num_warps(config.block_q, config.block_k))
+
+  def prune_reason(self, config, shape, device):
+    error = self.config_error(config)
+    if error:
+      return error
+    for axis, value, seq, seq_name in (("block_q", config.block_q, shape.seq_q, "seq_q"),
+                                       ("block_k", config.block_k, shape.seq_kv, "seq_kv")):
+      if value > max(mb.WG_ROWS, next_power_of_2(seq)):
+        return f"{axis} {value} > padded {seq_name}"
+    warps = self.num_warps(config.block_q, config.block_k)
+    if config.num_warps != warps:
+      return f"num_warps {config.num_warps}: these tiles run {warps} (consumers and producer)"
+    if device.interpret:
+      return None
+    d_qk, d_v = (lowering_lib.padded_head_dim(d, lowering_lib.MOSAIC_GPU)
+                 for d in (shape.d_qk, shape.d_v))
+    return self.memory_reason(config, d_qk, d_v, shape.itemsize, device)
+
+  def axes(self, shape, device, default):
+    return {"block_q": self.block_q_choices, "block_k": self.block_k_choices,
+            "num_warps": (default.num_warps,), "num_stages": self.stage_choices}
+
+
+class MosaicForwardTemplate(MosaicTemplate):
+  name = "forward_mosaic"
+  block_k_choices = (64, 128, 256)
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return lowering_lib.heuristic_mosaic_config(shape.seq_q, shape.seq_kv, shape.d_qk,
+                                                shape.d_v, block_sparse=block_sparse)
+
+  def config_error(self, config):
+    return lowering_lib.mosaic_config_error(config)
+
+  def obstacle(self, analysis, dtype, d_qk, d_v, interpret):
+    return lowering_lib.mosaic_obstacle(analysis, dtype, d_qk, d_v, interpret)
+
+  def consumer_rows(self, block_q, block_k):
+    return block_q
+
+  def memory_reason(self, config, d_qk, d_v, itemsize, device):
+    return shared_memory_reason(shared_memory_bytes(config, d_qk, d_v, itemsize), device)
+
+
+TEMPLATE = register(MosaicForwardTemplate())

@@ -12,6 +12,9 @@ blocks, head dims to powers of two. Kv blocks are visited in two loops: the
 ones known to need no masking, then the ones that do (the ragged tail, or
 every block when there is a mask_mod and no block mask). With a block mask,
 each q block visits only its listed kv blocks (see kernels/block_mask.py).
+
+`TEMPLATE` is the forward as the scheduler sees it (schedule/template.py):
+K/V tiles pipelined `num_stages` deep next to a resident Q tile.
 """
 from __future__ import annotations
 
@@ -23,15 +26,30 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
+from pallas_attn.kernels.lowering import TRITON
 from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
-from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.schedule.config import (AttentionConfig, heuristic_config, next_power_of_2,
+                                         padded_head_dim)
+from pallas_attn.schedule.template import (ResourceUse, TileCheck, TritonTemplate,
+                                           accumulator_registers, register)
 from pallas_attn.spec.analysis import VariantAnalysis
 
+BLOCK_CHOICES = (16, 32, 64, 128, 256)  # block_q and block_k searched
 
-class VariantTiles:
-  """What a kernel plan with `analysis`, `operands`, `fp32_exact` and
-  `fast_math` fields evaluates per tile: the rownorm's online state and the
-  user's programs (shared by the forward templates' plans)."""
+
+@dataclasses.dataclass(frozen=True)
+class VariantPlan:
+  """The static parameters every attention kernel plan shares (the parallel
+  templates' and the split-KV one's), and what they evaluate per tile: the
+  rownorm's online state and the user's programs."""
+  analysis: VariantAnalysis
+  operands: tuple       # tiles.CaptureOperand per captured array
+  scale: float
+  seq_q: int            # query tokens (before padding)
+  group: int            # query heads per kv head
+  fp32_exact: bool
+  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
+  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
 
   @property
   def online(self) -> OnlineRowNorm:
@@ -49,21 +67,13 @@ class VariantTiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardPlan(VariantTiles):
+class ForwardPlan(VariantPlan):
   """Static parameters of one forward kernel instance."""
-  analysis: VariantAnalysis
-  operands: tuple       # tiles.CaptureOperand per captured array
-  scale: float
-  seq_q: int            # true lengths (before padding)
-  seq_kv: int
+  seq_kv: int           # true length (before padding)
   block_q: int
   block_k: int
   num_kv_blocks: int    # kv blocks holding keys: ceil(seq_kv / block_k)
-  group: int            # query heads per kv head
-  fp32_exact: bool
   block_sparse: bool    # kv blocks come from a block mask
-  fast_math: bool       # approximate tanh/sigmoid/exp: half precision, compiled
-  has_sink: bool        # softmax with per-head sink logits (an operand [Hq], log2 units)
 
   def tile_keep(self, tile: tiles.TileContext, masked: bool, b, h, q_idx, kv_idx, cap_refs,
                 start, size):
@@ -203,3 +213,50 @@ def block_mask_specs(arrays, group: int | None = None):
           (None, heads, None, x.shape[-1]),
           lambda i, b, h, pb=pick_b, ph=pick_h: (pb(b), ph(h), i, 0)))
   return specs
+
+
+def streamed_kv_use(rows: int, keys: int, config, shape, device) -> ResourceUse:
+  """A program that keeps a tile of `rows` query rows resident and streams
+  K/V tiles of `keys` rows `config.num_stages` deep (the forward templates):
+  its shared memory, and its output accumulator and score tile."""
+  d_qk, d_v = padded_head_dim(shape.d_qk), padded_head_dim(shape.d_v)
+  smem = (config.num_stages * keys * (d_qk + d_v) + rows * d_qk) * shape.itemsize
+  return ResourceUse(smem, accumulator_registers(rows * d_v + rows * keys, config, device))
+
+
+class TritonParallelTemplate(TritonTemplate):
+  """The parallel templates on Triton (the forward here, the backward in
+  vjp/parallel_backward.py): tiles of block_q queries by block_k keys."""
+  config_class = AttentionConfig
+  lowering = TRITON
+
+  def obstacle(self, analysis, dtype, d_qk: int, d_v: int, interpret: bool) -> str | None:
+    """Why this lowering cannot run the pass for a call: Triton runs every one."""
+    return None
+
+  def tile_checks(self, config, shape, device):
+    mma_m, mma_n, mma_k = device.mma_tile
+    return [TileCheck("block_q", config.block_q, mma_m, next_power_of_2(shape.seq_q),
+                      "padded seq_q"),
+            TileCheck("block_k", config.block_k, max(mma_n, mma_k),
+                      next_power_of_2(shape.seq_kv), "padded seq_kv")]
+
+  def score_tile(self, config):
+    return config.block_q, config.block_k
+
+  def tile_axes(self, shape, device, default):
+    return {"block_q": BLOCK_CHOICES, "block_k": BLOCK_CHOICES}
+
+
+class ForwardTemplate(TritonParallelTemplate):
+  name = "forward"
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return heuristic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
+                            block_sparse=block_sparse, itemsize=shape.itemsize)
+
+  def resource_use(self, config, shape, device):
+    return streamed_kv_use(config.block_q, config.block_k, config, shape, device)
+
+
+TEMPLATE = register(ForwardTemplate())

@@ -9,11 +9,13 @@ The file lives at `$PALLAS_ATTN_CACHE` if set (a file path), else
                                 "time_ms": 0.41, "baseline_ms": 0.52,
                                 "tuned_at": "2025-01-01T00:00:00Z"}}}
 
-A key names the template, the variant's fingerprint, the shape bucket
-(batch*heads and sequence lengths rounded up to powers of two, head dims and
-the GQA group exact), the dtype, the device kind and the jax and pallas_attn
-versions. Every sequence length in a bucket pads to the same power of two,
-so a config stored for the bucket is valid for all of it.
+A key names the template, the variant's fingerprint, the template's shape
+bucket (`Template.cache_bucket`: batch*heads and sequence lengths rounded up
+to powers of two, head dims, the GQA group and the dtype exact), the device
+kind and the jax and pallas_attn versions. Every sequence length in a bucket
+pads to the same power of two, so a config stored for the bucket is valid
+for all of it. Templates are found by name in the registry
+(schedule/template.py).
 
 Writers take a lock file where the OS has one, re-read the file, apply their
 change and replace the file atomically (temp file + `os.replace`), so
@@ -35,9 +37,9 @@ from typing import Callable
 import jax
 
 from pallas_attn._version import __version__
-from pallas_attn.schedule.config import next_power_of_2
+from pallas_attn.schedule import template as template_lib
 from pallas_attn.schedule.device import current_device_kind
-from pallas_attn.schedule.search_space import Config, ProblemShape, config_class
+from pallas_attn.schedule.template import Config, ProblemShape
 
 try:
   import fcntl
@@ -87,13 +89,9 @@ class CacheKey:
   @classmethod
   def create(cls, template: str, fingerprint: str, shape: ProblemShape, *,
              device_kind: str | None = None) -> "CacheKey":
-    config_class(template)
     return cls(
         template=template, fingerprint=fingerprint,
-        batch_heads=next_power_of_2(shape.batch * shape.heads_q),
-        group=shape.heads_q // shape.heads_kv,
-        seq_q=next_power_of_2(shape.seq_q), seq_kv=next_power_of_2(shape.seq_kv),
-        d_qk=shape.d_qk, d_v=shape.d_v, dtype=shape.dtype,
+        **template_lib.get(template).cache_bucket(shape),
         device_kind=current_device_kind() if device_kind is None else device_kind,
         jax_version=jax.__version__, pallas_attn_version=package_version())
 
@@ -269,7 +267,7 @@ def lookup_config(template: str, fingerprint: str, *, q_shape, k_shape, v_shape,
   if entry is None:
     return None
   try:
-    return config_class(template).from_dict(entry["config"])
+    return template_lib.get(template).config_class.from_dict(entry["config"])
   except ValueError as e:
     _warn_once((cache.path, key), f"tuning cache {cache.path}: ignoring the {template} entry "
                f"for this shape: {e}; using heuristic configs")
@@ -286,9 +284,9 @@ def store_config(template: str, fingerprint: str, config: Config, *, q_shape, k_
                  v_shape, dtype, time_ms: float | None = None,
                  baseline_ms: float | None = None) -> CacheKey:
   """Stores a tuned config for this call on the current device; returns its key."""
-  if not isinstance(config, config_class(template)):
-    raise TypeError(f"template {template!r} takes a {config_class(template).__name__},"
-                    f" got {config!r}")
+  config_class = template_lib.get(template).config_class
+  if not isinstance(config, config_class):
+    raise TypeError(f"template {template!r} takes a {config_class.__name__}, got {config!r}")
   shape = ProblemShape.from_shapes(q_shape, k_shape, v_shape, dtype)
   key = CacheKey.create(template, fingerprint, shape)
   get_cache().put(key, config, time_ms=time_ms, baseline_ms=baseline_ms)

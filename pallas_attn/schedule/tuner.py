@@ -9,9 +9,10 @@ so that timings do not overlap compilation. Candidates not started when the
 time budget runs out are skipped.
 
 `tune_template` tunes one template's search space for a shape and stores
-the winner in the persistent cache; `tune_attention` is its entry point for
-`pallas_attn.attention` (forward and backward are tuned separately). Tuning
-never happens implicitly.
+the winner in the persistent cache: it reaches the template only by its
+registered name (schedule/template.py); what to run comes from the caller's
+`build` (`pallas_attn.tuning.tune_attention` builds `attention`'s passes).
+Tuning never happens implicitly.
 """
 from __future__ import annotations
 
@@ -27,11 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn.schedule import cache
-from pallas_attn.schedule.config import MAX_DECODE_QUERIES
 from pallas_attn.schedule.device import device_config
-from pallas_attn.schedule.search_space import (ATTENTION_TEMPLATES, MOSAIC_TEMPLATES,
-                                               ProblemShape, default_config, format_config,
-                                               search_space)
+from pallas_attn.schedule.search_space import format_config, search_space
+from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.schedule.timing import median_time_ms
 
 _TOLERANCES = {"bfloat16": 2e-2, "float16": 5e-3}
@@ -203,12 +202,6 @@ def tune(build: Callable[[Any], Callable[[], Any]], candidates, *, baseline=None
       elapsed_s=time.perf_counter() - start)
 
 
-def _random_inputs(shape: ProblemShape, seed: int):
-  keys = jax.random.split(jax.random.key(seed), 4)
-  shapes = (shape.q_shape, shape.k_shape, shape.v_shape, shape.q_shape[:3] + (shape.d_v,))
-  return tuple(jax.random.normal(k, s, shape.dtype) for k, s in zip(keys, shapes))
-
-
 def tune_template(template: str, fingerprint: str, build: Callable, shape: ProblemShape, *,
                   budget_s: float = 60.0, max_candidates: int | None = None,
                   axes: dict | None = None, warmup: int = 3, reps: int = 10,
@@ -234,84 +227,3 @@ def tune_template(template: str, fingerprint: str, build: Callable, shape: Probl
                        k_shape=shape.k_shape, v_shape=shape.v_shape, dtype=shape.dtype,
                        time_ms=result.best_ms, baseline_ms=result.baseline_ms)
   return result
-
-
-def _check_mosaic(template: str, analysis, shape: ProblemShape, interpret) -> None:
-  """A clear error before compiling anything where Mosaic GPU cannot run the pass."""
-  from pallas_attn.kernels import backend, lowering
-  obstacle = (lowering.mosaic_obstacle if template == "forward_mosaic"
-              else lowering.mosaic_backward_obstacle)
-  why = obstacle(analysis, shape.dtype, shape.d_qk, shape.d_v,
-                 backend.resolve_interpret(interpret))
-  if why:
-    raise ValueError(f"template {template!r} cannot run this call: {why}; tune "
-                     f"{template.removesuffix('_mosaic')!r} (Triton) instead")
-
-
-def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=None,
-                   mask_mod=None, rownorm="softmax", sinks=None, template: str = "forward",
-                   forward_config=None, interpret: bool | None = None, seed: int = 0,
-                   **tuning) -> TuningResult:
-  """Tunes `pallas_attn.attention` for this variant and these shapes; stores the winner.
-
-  template: "forward" (`config=`) or "backward" (`bwd_config=`), tuned
-    separately, on the Triton lowering; "forward_mosaic" / "backward_mosaic"
-    the same passes on Mosaic GPU (an error where it cannot run them). The
-    backward is timed alone, with the forward's config fixed to
-    `forward_config`, else the cached one, else the heuristic. With a
-    mask_mod each pass gets the block mask on its own tiles. "decode": the
-    split-KV template (`decode_attention`, every sequence holding k_shape's
-    S_max keys; also what `attention` runs for a few queries).
-  tuning: keyword arguments of `tune_template` (budget_s, max_candidates,
-    axes, warmup, reps, store, progress).
-  Afterwards `attention(config="auto")` finds the stored config.
-  """
-  from pallas_attn import attention
-  from pallas_attn.spec.analysis import analyze_variant
-
-  if template not in ATTENTION_TEMPLATES:
-    raise ValueError(f"attention templates are {ATTENTION_TEMPLATES}, got {template!r}")
-  shape = ProblemShape.from_shapes(q_shape, k_shape, v_shape, dtype)
-  block_sparse = mask_mod is not None  # the masked heuristic is the baseline
-  analysis = analyze_variant(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm)
-  fingerprint = analysis.fingerprint()
-  mosaic = template in MOSAIC_TEMPLATES
-  forward_template = "forward_mosaic" if mosaic else "forward"
-  if mosaic:
-    _check_mosaic(template, analysis, shape, interpret)
-  q, k, v, dout = _random_inputs(shape, seed)
-  call = functools.partial(attention, score_mod=score_mod, mask_mod=mask_mod,
-                           rownorm=rownorm, sinks=sinks, interpret=interpret,
-                           implementation="mosaic_gpu" if mosaic else "triton")
-
-  if template == "decode":
-    from pallas_attn.decode import decode_attention
-    if shape.seq_q > MAX_DECODE_QUERIES:
-      raise ValueError(f"the split-KV template takes 1 to {MAX_DECODE_QUERIES} query tokens; "
-                       f"q_shape has {shape.seq_q}")
-    call = functools.partial(decode_attention, score_mod=score_mod, mask_mod=mask_mod,
-                             rownorm=rownorm, sinks=sinks, interpret=interpret)
-    lengths = jnp.full((shape.batch,), shape.seq_kv, jnp.int32)
-
-    def build(config):
-      forward = jax.jit(functools.partial(call, config=config))
-      return lambda: forward(q, k, v, lengths)
-  elif template == forward_template:
-    def build(config):
-      forward = jax.jit(functools.partial(call, config=config))
-      return lambda: forward(q, k, v)
-  else:
-    if forward_config is None:
-      forward_config = (cache.lookup_config(forward_template, fingerprint, q_shape=q_shape,
-                                            k_shape=k_shape, v_shape=v_shape, dtype=dtype)
-                        or default_config(forward_template, shape, block_sparse=block_sparse))
-    apply_pullback = jax.jit(lambda pullback, cotangent: pullback(cotangent))
-
-    def build(config):
-      # The forward runs here, outside the timed call; only the backward is timed.
-      _, pullback = jax.vjp(
-          functools.partial(call, config=forward_config, bwd_config=config), q, k, v)
-      return lambda: apply_pullback(pullback, dout)
-
-  return tune_template(template, fingerprint, build, shape, block_sparse=block_sparse,
-                       **tuning)

@@ -23,6 +23,9 @@ dL/dG_t = q_t * dq_t - k_t * dk_t (+ S_T * dS_T at the last step), and
 d log_decay is the reverse cumulative sum of that over the sequence.
 Feature-map gradients come from JAX autodiff of the user's callables, which
 the wrapper applies outside this function.
+
+`TEMPLATE` is the backward as the scheduler sees it (schedule/template.py):
+q/k/v/dO chunks pipelined, the state and its cotangent in registers.
 """
 from __future__ import annotations
 
@@ -35,11 +38,13 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
-    LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, causal_from,
+    LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, LinearTemplate, causal_from,
     chunk_cumulative_log_decay, chunk_inputs, chunk_state_spec,
     chunked_forward, dense_decay, diagonal_block, keys_to_anchor,
     masked_rescale, row_block_offset, row_spec, scale_rows, sequence_spec,
     state_pass)
+from pallas_attn.schedule.config import padded_head_dim
+from pallas_attn.schedule.template import ResourceUse, accumulator_registers, register
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
@@ -216,3 +221,18 @@ def _backward(schedule, residuals, cotangents):
 
 
 chunked_linear_attention.defvjp(_forward_with_residuals, _backward)
+
+
+class LinearBackwardTemplate(LinearTemplate):
+  name = "linear_backward"
+
+  def resource_use(self, config, shape, device):
+    d_qk = padded_head_dim(shape.d_qk)
+    c, bv = config.chunk_size, config.block_v
+    smem = config.num_stages * c * (2 * d_qk + 2 * bv) * shape.itemsize
+    # The state and its cotangent, the scores and the gradients.
+    fp32 = 2 * d_qk * bv + 2 * c * c + c * (d_qk + bv)
+    return ResourceUse(smem, accumulator_registers(fp32, config, device))
+
+
+TEMPLATE = register(LinearBackwardTemplate())

@@ -21,6 +21,9 @@ A diagonal term (spec/diagonal.py) is read from its vector over q - kv, as
 `[q, kv]` tiles in the dq kernel and `[kv, q]` tiles in the dk/dv kernel
 (mosaic_backend.diagonal_tile). Capture gradients are not lowered here:
 calls that need them run the Triton passes (vjp/attention_vjp.py decides).
+
+`TEMPLATE` is the backward as the scheduler sees it (schedule/template.py):
+a config must leave both kernels' rings the depth it asks for.
 """
 from __future__ import annotations
 
@@ -32,9 +35,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
+from pallas_attn.kernels.mosaic_forward import MosaicTemplate
 from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import AttentionConfig
+from pallas_attn.schedule.template import register
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
                                                softmax_tile_gradients, split_inputs,
                                               tile_gradients)
@@ -394,3 +400,31 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
       compiler_params=params,
   )(q, k, v, d_out, *row_terms, *capture_arrays, *kv_lists)
   return dq, dk, dv, (None,) * len(plan.grad_kinds), (row_terms[0] if row_terms else None)
+
+
+class MosaicBackwardTemplate(MosaicTemplate):
+  name = "backward_mosaic"
+  block_k_choices = (64, 128)
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return lowering_lib.heuristic_mosaic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk,
+                                                         shape.d_v)
+
+  def config_error(self, config):
+    return lowering_lib.mosaic_backward_config_error(config)
+
+  def obstacle(self, analysis, dtype, d_qk, d_v, interpret):
+    return lowering_lib.mosaic_backward_obstacle(analysis, dtype, d_qk, d_v, interpret)
+
+  def consumer_rows(self, block_q, block_k):
+    return max(block_q, block_k)  # the dq programs own block_q rows, the dk/dv ones block_k
+
+  def memory_reason(self, config, d_qk, d_v, itemsize, device):
+    dq_depth, dkv_depth = ring_depths(config, d_qk, d_v, itemsize, row_terms=True)
+    if config.num_stages > max(dq_depth, dkv_depth):
+      return (f"num_stages {config.num_stages}: shared memory holds {dq_depth} (dq) and "
+              f"{dkv_depth} (dk/dv) ring slots")
+    return None
+
+
+TEMPLATE = register(MosaicBackwardTemplate())

@@ -35,6 +35,10 @@ captured float arrays. `ds` is the gradient with respect to the scaled score
 Capture gradients are partials laid out by the grid: the wrapper sums the
 axes a capture is not addressed by. Nothing is accumulated atomically, so
 the backward is deterministic.
+
+`TEMPLATE` is the backward as the scheduler sees it (schedule/template.py):
+one config tiles both kernels, so it must fit the larger of the dk/dv kernel
+(resident K/V, pipelined Q/dO) and the dq kernel (the mirror image).
 """
 from __future__ import annotations
 
@@ -47,8 +51,10 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.kernels.online import LN2, LOG2E, run_tile_program
-from pallas_attn.kernels.parallel_forward import ForwardPlan, block_mask_specs
-from pallas_attn.schedule.config import AttentionConfig, clamp_block
+from pallas_attn.kernels.parallel_forward import (ForwardPlan, TritonParallelTemplate,
+                                                   block_mask_specs)
+from pallas_attn.schedule.config import AttentionConfig, clamp_block, padded_head_dim
+from pallas_attn.schedule.template import ResourceUse, accumulator_registers, register
 from pallas_attn.spec.captures import GATHERED
 
 # Where each captured float array's gradient is accumulated, by addressing.
@@ -469,3 +475,22 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
 
   by_use = dict(zip(dq_uses, dq_grads)) | dict(zip(key_uses, key_grads))
   return dq, dk, dv, tuple(by_use.get(n) for n in range(len(plan.grad_kinds))), rows
+
+
+class BackwardTemplate(TritonParallelTemplate):
+  name = "backward"
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
+
+  def resource_use(self, config, shape, device):
+    d_qk, d_v = padded_head_dim(shape.d_qk), padded_head_dim(shape.d_v)
+    bq, bk, stages = config.block_q, config.block_k, config.num_stages
+    dkv_kernel = (bk * (d_qk + d_v) + stages * bq * (d_qk + d_v)) * shape.itemsize
+    dq_kernel = (bq * (d_qk + d_v) + stages * bk * (d_qk + d_v)) * shape.itemsize
+    # dK/dV accumulators (or dQ) plus the score and dP tiles.
+    fp32 = max(bk * (d_qk + d_v), bq * d_qk) + 2 * bq * bk
+    return ResourceUse(max(dkv_kernel, dq_kernel), accumulator_registers(fp32, config, device))
+
+
+TEMPLATE = register(BackwardTemplate())

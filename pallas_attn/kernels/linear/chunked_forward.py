@@ -36,6 +36,10 @@ The output pass is specialised by the decay kind (a static argument):
 Normalisation and feature maps are not template parameters: the wrapper
 applies the feature maps and appends a ones column to v (the normaliser is
 that column of the output), see `pallas_attn.linear`.
+
+`TEMPLATE` is the forward as the scheduler sees it (schedule/template.py):
+q/k/v chunks pipelined `num_stages` deep, the state in registers. Its
+problem shape has one sequence (seq_q = seq_kv) and d_qk the feature width.
 """
 from __future__ import annotations
 
@@ -50,8 +54,11 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.online import LOG2E
-from pallas_attn.schedule.config import LinearAttentionConfig, clamp_block
+from pallas_attn.schedule.config import (LinearAttentionConfig, clamp_block, next_power_of_2,
+                                         padded_head_dim)
 from pallas_attn.schedule.device import device_config
+from pallas_attn.schedule.template import (ResourceUse, TileCheck, TritonTemplate,
+                                           accumulator_registers, register)
 
 SUB_BLOCK = 16  # rows of a vector-decay row block (the smallest dot operand)
 SPLIT_SPAN = 32.0  # base-2 decay span under which a row block's decay splits
@@ -541,3 +548,43 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
       interpret=schedule.interpret,
       name=f"linear_attention_fwd_{schedule.decay_kind}")(*inputs)
   return o, final_state, chunk_states
+
+
+class LinearTemplate(TritonTemplate):
+  """The chunked passes (the forward here, the backward in
+  vjp/linear_backward.py): chunks of chunk_size tokens by block_v value
+  columns."""
+  config_class = LinearAttentionConfig
+  chunk_choices = (16, 32, 64, 128)
+  block_v_choices = (16, 32, 64, 128)
+
+  def default_config(self, shape, device=None, *, block_sparse=False):
+    return heuristic_linear_config(shape.seq_kv, padded_head_dim(shape.d_qk),
+                                   padded_head_dim(shape.d_v))
+
+  def tile_checks(self, config, shape, device):
+    mma_m, mma_n, mma_k = device.mma_tile
+    return [TileCheck("chunk_size", config.chunk_size, max(mma_m, mma_n, mma_k),
+                      next_power_of_2(max(shape.seq_q, shape.seq_kv)), "padded seq"),
+            TileCheck("block_v", config.block_v, mma_n, padded_head_dim(shape.d_v),
+                      "padded d_v")]
+
+  def score_tile(self, config):
+    return config.chunk_size, config.chunk_size
+
+  def tile_axes(self, shape, device, default):
+    return {"chunk_size": self.chunk_choices, "block_v": self.block_v_choices}
+
+
+class LinearForwardTemplate(LinearTemplate):
+  name = "linear_forward"
+
+  def resource_use(self, config, shape, device):
+    d_qk = padded_head_dim(shape.d_qk)
+    c, bv = config.chunk_size, config.block_v
+    smem = config.num_stages * c * (2 * d_qk + bv) * shape.itemsize
+    # The state, the intra-chunk scores and the output chunk.
+    return ResourceUse(smem, accumulator_registers(d_qk * bv + c * c + c * bv, config, device))
+
+
+TEMPLATE = register(LinearForwardTemplate())
