@@ -44,7 +44,8 @@ def resolve_config(config, arg_name: str, template: Template, analysis: VariantA
                                      k_shape=k.shape, v_shape=v.shape, dtype=q.dtype)
   return tuned or template.default_config(
       ProblemShape.from_shapes(q.shape, k.shape, v.shape, q.dtype),
-      block_sparse=analysis.mask_mod is not None)
+      block_sparse=analysis.mask_mod is not None,
+      scores_per_position=analysis.scores_per_position)
 
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,

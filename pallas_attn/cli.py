@@ -102,7 +102,8 @@ def _chosen_config(template: str, analysis, shape: ProblemShape):
   if config is not None:
     return config, "from the tuning cache"
   return (template_lib.get(template).default_config(
-      shape, block_sparse=analysis.mask_mod is not None), "heuristic (no tuned cache entry)")
+      shape, block_sparse=analysis.mask_mod is not None,
+      scores_per_position=analysis.scores_per_position), "heuristic (no tuned cache entry)")
 
 
 def running_templates(analysis, shape: ProblemShape) -> list[str]:
@@ -217,7 +218,8 @@ def cmd_explain(args) -> int:
     if reason:
       print(f"  warning: the resource model rejects it: {reason}")
     print("  " + search_space(template, shape, device,
-                              block_sparse=analysis.mask_mod is not None).summary(
+                              block_sparse=analysis.mask_mod is not None,
+                              scores_per_position=analysis.scores_per_position).summary(
         verbose=args.verbose).replace("\n", "\n  "))
   return 0
 

@@ -92,7 +92,9 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
       forward_config = (
           cache.lookup_config(forward_template.name, fingerprint, q_shape=q_shape,
                               k_shape=k_shape, v_shape=v_shape, dtype=dtype)
-          or forward_template.default_config(shape, block_sparse=block_sparse))
+          or forward_template.default_config(
+              shape, block_sparse=block_sparse,
+              scores_per_position=analysis.scores_per_position))
     call = functools.partial(attention, **variant, config=forward_config,
                              implementation=tuned.lowering)
     apply_pullback = jax.jit(lambda pullback, cotangent: pullback(cotangent))
@@ -104,4 +106,5 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
 
   with backend.triton_deprecation_ignored():  # the compiling threads see it too
     return tune_template(template, fingerprint, build, shape, block_sparse=block_sparse,
+                         scores_per_position=analysis.scores_per_position,
                          **tuning)

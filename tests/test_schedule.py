@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_attn import tuning
+import pallas_attn as pa
+from pallas_attn import tuning, variants
 from pallas_attn.schedule import cache as cache_lib
 from pallas_attn.schedule import config as config_lib
 from pallas_attn.schedule import device as device_lib
@@ -297,6 +298,23 @@ def test_masked_default_takes_wide_key_blocks():
   assert forward(256, True) == forward(256, False)
 
 
+def test_per_position_scores_and_float32_take_smaller_default_tiles():
+  """A score_mod evaluated at every position keeps 64-wide key blocks under a
+  mask (RetNet's decay overflowed shared memory on 128x128); float32 inputs
+  take 32x32 tiles in both passes (TF32x3 products stage their operand splits)."""
+  forward = template_lib.get("forward")
+  masked = forward.default_config(shape(), block_sparse=True, scores_per_position=True)
+  assert (masked.block_q, masked.block_k) == (128, 64)
+  for template in ("forward", "backward"):
+    config = template_lib.get(template).default_config(shape(dtype="float32"))
+    assert (config.block_q, config.block_k, config.num_stages) == (32, 32, 2)
+  analysis = lambda v: pa.analyze_variant(**{k: x for k, x in v.kwargs().items()
+                                            if k in ("score_mod", "mask_mod", "rownorm")})
+  assert analysis(variants.retention_parallel(num_heads=4)).scores_per_position
+  assert not analysis(variants.alibi(num_heads=4)).scores_per_position
+  assert not analysis(variants.causal()).scores_per_position
+
+
 def test_problem_shape_validation():
   with pytest.raises(ValueError, match="multiple of kv heads"):
     shape(heads=6, kv_heads=4)
@@ -577,7 +595,7 @@ class ToyTemplate(template_lib.Template):
   name = "toy"
   config_class = ToyConfig
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
+  def default_config(self, shape, device=None, *, block_sparse=False, scores_per_position=False):
     return ToyConfig(32)
 
   def prune_reason(self, config, shape, device):

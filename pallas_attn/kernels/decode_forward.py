@@ -293,7 +293,8 @@ class DecodeTemplate(TritonTemplate):
         shape.seq_kv, shape.d_qk, shape.d_v, itemsize=shape.itemsize,
         sm_count=device.sm_count, smem_per_block=device.smem_per_block, base=base)
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
+  def default_config(self, shape, device=None, *, block_sparse=False,
+                     scores_per_position=False):
     return self.schedule(shape, device_config() if device is None else device)
 
   def tile_checks(self, config, shape, device):

@@ -386,7 +386,8 @@ class MosaicForwardTemplate(MosaicTemplate):
   name = "forward_mosaic"
   block_k_choices = (64, 128, 256)
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
+  def default_config(self, shape, device=None, *, block_sparse=False,
+                     scores_per_position=False):
     return lowering_lib.heuristic_mosaic_config(shape.seq_q, shape.seq_kv, shape.d_qk,
                                                 shape.d_v, block_sparse=block_sparse)
 

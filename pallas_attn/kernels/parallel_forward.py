@@ -251,9 +251,11 @@ class TritonParallelTemplate(TritonTemplate):
 class ForwardTemplate(TritonParallelTemplate):
   name = "forward"
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
+  def default_config(self, shape, device=None, *, block_sparse=False,
+                     scores_per_position=False):
     return heuristic_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
-                            block_sparse=block_sparse, itemsize=shape.itemsize)
+                            block_sparse=block_sparse, scores_per_position=scores_per_position,
+                            itemsize=shape.itemsize)
 
   def resource_use(self, config, shape, device):
     return streamed_kv_use(config.block_q, config.block_k, config, shape, device)

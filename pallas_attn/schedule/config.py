@@ -83,7 +83,8 @@ def clamp_block(block: int, length: int, minimum: int = 16) -> int:
 
 
 def heuristic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
-                     block_sparse: bool = False, itemsize: int = 2) -> AttentionConfig:
+                     block_sparse: bool = False, scores_per_position: bool = False,
+                     itemsize: int = 2) -> AttentionConfig:
   """A reasonable default without tuning (Hopper-class GPUs, Triton).
 
   Head dims count as padded to powers of two (>= 16). Up to 256 + 128
@@ -94,19 +95,28 @@ def heuristic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
   are shorter there, and fewer, longer loop steps pay (H200, B4 H16 d128,
   kernel time: causal 0.754 -> 0.714 ms at S=4k, 2.55 -> 2.36 ms at 16k,
   where the dense time is 1.33 / 4.92 ms; the tuner picked these tiles for
-  sliding windows and for causal at 16k too).
+  sliding windows and for causal at 16k too). Not where score_mod is
+  evaluated per position (`scores_per_position`: not absent, not a bias
+  from vectors): RetNet's decay asked for 352 KiB there on an H200, over
+  Hopper's 227 KiB, and ran fastest on 128x64 tiles (0.725 ms against
+  1.112 on 128x128 with two stages, B4 H16 S4096;
+  benchmarks/results/2026-11-26_h200/probe_retention_tiles.json).
 
-  float32 inputs (`itemsize` 4) with heads over 64 take 64x64 tiles on two
-  stages: the 16-bit tiles ask for 384 KB of shared memory there, over
-  Hopper's 227 KB (seen on an H100, 2026-11-23).
+  float32 inputs (`itemsize` 4) take 32x32 tiles on two stages: their
+  products run as three TF32 products (`backend.dot`), whose operand
+  splits Triton stages in shared memory (64x64 tiles asked for 256-352 KiB
+  at heads of 128-256); at B4 H16 S4096, causal ALiBi, on an H200 they ran
+  a d 128 forward in 11.3 ms (first call 2.6 s) and Dqk 192 / Dv 128 in
+  28.7 ms (5.0 s), where IEEE products took 30 / 140 ms on their best
+  tiles (benchmarks/results/2026-11-26_h200/probe_fp32_tiles.jsonl).
   """
   d_qk, d_v = (max(16, next_power_of_2(d)) for d in (d_qk, d_v))
-  if itemsize > 2 and max(d_qk, d_v) > 64:
-    cfg = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+  if itemsize > 2:
+    cfg = AttentionConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)
   elif max(d_qk, d_v) <= 64:
     cfg = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
   elif d_qk + d_v <= 384:
-    wide_keys = block_sparse and max(d_qk, d_v) <= 128
+    wide_keys = block_sparse and not scores_per_position and max(d_qk, d_v) <= 128
     cfg = AttentionConfig(block_q=128, block_k=128 if wide_keys else 64, num_warps=8,
                           num_stages=3)
   else:

@@ -53,11 +53,13 @@ class SearchSpace:
 
 
 def default_axes(template: str, shape: ProblemShape, device: DeviceConfig, *,
-                 block_sparse: bool = False) -> dict[str, tuple[int, ...]]:
+                 block_sparse: bool = False,
+                 scores_per_position: bool = False) -> dict[str, tuple[int, ...]]:
   """The values searched per config field, around the template's default."""
   found = get(template)
   return found.axes(shape, device,
-                    found.default_config(shape, device, block_sparse=block_sparse))
+                    found.default_config(shape, device, block_sparse=block_sparse,
+                                         scores_per_position=scores_per_position))
 
 
 def _distance(config: Config, default: Config) -> float:
@@ -66,9 +68,11 @@ def _distance(config: Config, default: Config) -> float:
 
 
 def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None = None, *,
-                 block_sparse: bool = False, **axes: tuple[int, ...]) -> SearchSpace:
+                 block_sparse: bool = False, scores_per_position: bool = False,
+                 **axes: tuple[int, ...]) -> SearchSpace:
   """Enumerates and prunes the space; `axes` overrides the values of config fields.
-  block_sparse: the variant has a mask_mod (its default config differs).
+  block_sparse, scores_per_position: facts of the variant its default config
+  reads (Template.default_config).
 
   Example: `search_space("forward", shape, block_q=(32, 64), num_stages=(2,))`.
   """
@@ -78,7 +82,8 @@ def search_space(template: str, shape: ProblemShape, device: DeviceConfig | None
   unknown = set(axes) - set(fields)
   if unknown:
     raise ValueError(f"unknown axes {sorted(unknown)} for {template}; fields: {fields}")
-  default = found.default_config(shape, device, block_sparse=block_sparse)
+  default = found.default_config(shape, device, block_sparse=block_sparse,
+                                 scores_per_position=scores_per_position)
   values = {**found.axes(shape, device, default), **axes}
   candidates, pruned = [], []
   configs = {found.with_derived_fields(found.config_class(**dict(zip(fields, combo))))

@@ -95,10 +95,12 @@ class Template(abc.ABC):
 
   @abc.abstractmethod
   def default_config(self, shape: ProblemShape, device: DeviceConfig | None = None, *,
-                     block_sparse: bool = False) -> Config:
+                     block_sparse: bool = False, scores_per_position: bool = False) -> Config:
     """The heuristic config the kernel runs when the cache has no entry.
     device: None for the current one (read only by templates whose
-    heuristic depends on it); block_sparse: the variant has a mask_mod."""
+    heuristic depends on it); block_sparse: the variant has a mask_mod;
+    scores_per_position: its score_mod is evaluated at every position
+    (`VariantAnalysis.scores_per_position`)."""
 
   @abc.abstractmethod
   def prune_reason(self, config: Config, shape: ProblemShape,

@@ -206,15 +206,17 @@ def tune_template(template: str, fingerprint: str, build: Callable, shape: Probl
                   budget_s: float = 60.0, max_candidates: int | None = None,
                   axes: dict | None = None, warmup: int = 3, reps: int = 10,
                   store: bool = True, block_sparse: bool = False,
+                  scores_per_position: bool = False,
                   progress: Callable[[str], None] | None = None) -> TuningResult:
   """Tunes `build` over `template`'s search space on this device; stores the winner.
 
   The heuristic default is the baseline and reference. axes: overrides of
   the values searched per config field, e.g. {"num_stages": (2, 3)};
-  max_candidates keeps the candidates nearest the default. block_sparse:
-  the variant has a mask_mod (its heuristic default differs).
+  max_candidates keeps the candidates nearest the default. block_sparse,
+  scores_per_position: facts of the variant its heuristic default reads.
   """
   space = search_space(template, shape, device_config(), block_sparse=block_sparse,
+                       scores_per_position=scores_per_position,
                        **(axes or {}))
   report = progress or (lambda _: None)
   report(space.summary())

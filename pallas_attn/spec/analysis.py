@@ -52,6 +52,12 @@ class VariantAnalysis:
     return self.score_mod is not None and self.score_mod.separable
 
   @property
+  def scores_per_position(self) -> bool:
+    """score_mod is evaluated at every position: present, and no bias that
+    the kernels build from vectors (a template's heuristic may size tiles by it)."""
+    return self.score_mod is not None and not self.separable_bias
+
+  @property
   def mask_deps(self) -> frozenset:
     """Indices the mask depends on ('b', 'h', 'q', 'kv')."""
     return frozenset() if self.mask_mod is None else self.mask_mod.deps

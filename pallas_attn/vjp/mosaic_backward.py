@@ -406,7 +406,8 @@ class MosaicBackwardTemplate(MosaicTemplate):
   name = "backward_mosaic"
   block_k_choices = (64, 128)
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
+  def default_config(self, shape, device=None, *, block_sparse=False,
+                     scores_per_position=False):
     return lowering_lib.heuristic_mosaic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk,
                                                          shape.d_v)
 

@@ -120,7 +120,8 @@ def zero_fill(ref, chunk: int = 1024):
   jax.lax.fori_loop(0, ref.shape[-1] // width, fill, 0)
 
 
-def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> AttentionConfig:
+def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int,
+                              itemsize: int = 2) -> AttentionConfig:
   """Default backward tiles for Hopper-class GPUs (Triton).
 
   Both passes use one tile shape: the dq pass runs block_q query rows per
@@ -131,8 +132,12 @@ def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int) -> A
   Wider heads (where the Mosaic backward does not run yet): 64x32 on 4 warps
   ran d=256 at 289 TFLOP/s and Dqk 192 / Dv 128 at 250, against 87 / 158
   with 32x64 (H100, benchmarks/results/2026-11-23_h100/sweep_backward_wide.json).
+  float32 inputs take 32x32 tiles, as the forward's (`heuristic_config`):
+  64x64 asked for 256 KiB of shared memory at d 128 with TF32x3 products.
   """
-  if max(d_qk, d_v) <= 128:
+  if itemsize > 2:
+    cfg = AttentionConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)
+  elif max(d_qk, d_v) <= 128:
     cfg = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
   else:
     cfg = AttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
@@ -480,8 +485,10 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
 class BackwardTemplate(TritonParallelTemplate):
   name = "backward"
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
-    return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v)
+  def default_config(self, shape, device=None, *, block_sparse=False,
+                     scores_per_position=False):
+    return heuristic_backward_config(shape.seq_q, shape.seq_kv, shape.d_qk, shape.d_v,
+                                     shape.itemsize)
 
   def resource_use(self, config, shape, device):
     d_qk, d_v = padded_head_dim(shape.d_qk), padded_head_dim(shape.d_v)

@@ -558,7 +558,8 @@ class LinearTemplate(TritonTemplate):
   chunk_choices = (16, 32, 64, 128)
   block_v_choices = (16, 32, 64, 128)
 
-  def default_config(self, shape, device=None, *, block_sparse=False):
+  def default_config(self, shape, device=None, *, block_sparse=False,
+                     scores_per_position=False):
     return heuristic_linear_config(shape.seq_kv, padded_head_dim(shape.d_qk),
                                    padded_head_dim(shape.d_v))
 
