@@ -17,8 +17,7 @@ a forward?
   ids as a jit argument, so the mask is built in every call (target: at most
   10% over prebuilt); `built_in_jit_no_bounds` the same with every position
   evaluated (no tile bounds); `closed_over` closes over concrete ids (built
-  in every call too, as tracing runs no kernel; results up to 2026-11-25 built
-  it once, at trace time). By throughput and kernel time in alternating rounds.
+  once, at trace time). By throughput and kernel time in alternating rounds.
 
 Writes `block_mask.json` to `--out`.
 """

@@ -123,7 +123,7 @@ def t5_bucket_torch(torch, relative_position):
 
 def _flex(torch, c: Case, param):
   """(q, k, v) -> out by FlexAttention (torch.compile'd, block mask built once
-  with B=H=None), or NotImplementedError."""
+  with B=H=None, as ours is a constant of the call), or NotImplementedError."""
   from torch.nn.attention import flex_attention as fa
   s, name = c.shape, c.variant
   offset = s.seq_kv - s.seq_q  # queries bottom-right, as our variants place them

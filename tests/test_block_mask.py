@@ -229,29 +229,6 @@ def test_block_mask_inside_jit_with_traced_captures():
   assert_close(used(q, ids), pa.attention_reference(q, k, v, mask_mod=documents(ids)))
 
 
-def test_builds_while_tracing_are_staged(monkeypatch):
-  """Pure construction: while a function is traced, a block mask (built by `block_mask`
-  or by `attention`) is part of the traced program, also where mask_mod's arrays are
-  concrete (none, or closed over); no compiled builder runs at trace time."""
-  build = lambda: pa.block_mask(documents(DOCS), 2, 1, 45, 45, block_q=16, block_kv=16)
-  eager = build()  # outside any trace: by the compiled builder
-
-  def fail(*_, **__):
-    raise AssertionError("a compiled block-mask builder ran while tracing")
-  monkeypatch.setattr(block_mask_cache, "compiled_builder", fail)
-  for cache in ("_CLOSURES", "_TRACED"):  # nor one compiled earlier
-    monkeypatch.setattr(block_mask_cache, cache, {})
-  assert "name=pallas_attn_block_mask" in str(jax.make_jaxpr(build)())
-  staged = jax.jit(build)()
-  for field in FIELDS + ["digest"]:
-    np.testing.assert_array_equal(getattr(staged, field), getattr(eager, field))
-  q, k, v = qkv(seq_q=45, seq_kv=45)
-  for mask_mod in (MASKS["causal"], documents(DOCS)):
-    attend = lambda q: pa.attention(q, k, v, mask_mod=mask_mod, config=SMALL)
-    assert "name=pallas_attn_block_mask" in str(jax.make_jaxpr(attend)(q))
-    assert_close(jax.jit(attend)(q), pa.attention_reference(q, k, v, mask_mod=mask_mod))
-
-
 def _expected(mask_mod, shape, block=16):
   batch, heads, seq_q, seq_kv = shape
   return dense_classes(np.asarray(dense_mask(mask_mod, batch, heads, seq_q, seq_kv)),

@@ -107,9 +107,7 @@ def test_explain_says_mosaic_reads_term_vectors(capsys, rel_table_file):
 
 def test_explain_says_what_the_block_mask_costs(capsys, tmp_path, variant_file):
   code, out, _ = run(capsys, "explain", variant_file, *TINY, "--templates", "forward")
-  line, = [line for line in out.splitlines() if line.startswith("block mask:")]
-  assert code == 0 and "rebuilt in each call" in line and "1 x 1 x 32 x 32" in line
-  assert "block_mask(...) and pass block_mask=" in line and "per batch" not in line
+  assert code == 0 and "block mask: a constant of the jitted call" in out
   documents = tmp_path / "documents.py"
   documents.write_text("import jax.numpy as jnp\nids = jnp.arange(32) // 8\n"
                        "def mask_mod(b, h, q_idx, kv_idx):\n"
@@ -117,7 +115,7 @@ def test_explain_says_what_the_block_mask_costs(capsys, tmp_path, variant_file):
   code, out, _ = run(capsys, "explain", str(documents), *TINY, "--templates", "forward")
   line, = [line for line in out.splitlines() if line.startswith("block mask:")]
   assert code == 0 and "rebuilt in each call" in line and "1 x 1 x 32 x 32" in line
-  assert "once per batch with pallas_attn.block_mask(...)" in line
+  assert "pallas_attn.block_mask(...)" in line
 
 
 def test_tune_no_store(capsys, variant_file, cache_path):

@@ -10,13 +10,12 @@ ones that don't (forward and dq), and the transpose (dk/dv). Empty tiles
 are never visited. When mask_mod ignores b or h, that axis has size 1 and
 is broadcast.
 
-Outside a trace (`block_mask`, eager `attention`) masks are built by a
-compiled builder, cached per mask and shape (kernels/block_mask_cache.py),
-that takes mask_mod's captured arrays as arguments; while a function is
-traced (`jax.jit`) the build is staged into its program. A mask records
-what it was built from (mask_mod's program fingerprint, a digest of the
-captured values) for `attention` to check against the mask_mod it is passed
-with.
+Masks are built eagerly (`block_mask`, and `attention` where mask_mod's
+captured arrays are concrete) by a compiled builder, cached per mask and
+shape (kernels/block_mask_cache.py), that takes the captured arrays as arguments; inside a trace where
+they are traced, in that trace. A mask records what it was built from
+(mask_mod's program fingerprint, a digest of the captured values) for
+`attention` to check against the mask_mod it is passed with.
 """
 from __future__ import annotations
 
@@ -368,17 +367,18 @@ def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, ti
 def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> str:
   """One line on what `attention` pays to build the block mask of `analysis`
   when no block_mask is passed (`pallas-attn explain`)."""
+  if not analysis.mask_mod.traced.consts:
+    return ("block mask: a constant of the jitted call, built at trace time by a builder "
+            "compiled once per shape")
   deps = analysis.mask_deps
   sizes = (batch if "b" in deps else 1, heads if "h" in deps else 1, seq_q, seq_kv)
   where = ("the tiles that bounds on its values leave open (partial ones, for masks of "
            "comparisons and captured ids)" if has_tile_bounds(analysis) else
            "every tile (its values have no bounds: floats, bitwise ops or gathers)")
-  reuse = ("once per batch with pallas_attn.block_mask(...) and pass block_mask= to avoid that "
-           "(attention checks it against mask_mod's program, and against its arrays' values "
-           "where those are concrete; not under jit with them as arguments: build it in the "
-           "step, from them)" if analysis.mask_mod.traced.consts else
-           "once with pallas_attn.block_mask(...) and pass block_mask= to avoid that")
-  return ("block mask: rebuilt in each call (under jax.jit in the jitted program, eagerly by a "
-          f"builder compiled once per shape): mask_mod evaluated on {where}, of "
-          f"{' x '.join(map(str, sizes))} (b, h, q, kv) positions "
-          f"(~{math.prod(sizes) / 1e6:.3g} M); build it {reuse}")
+  return ("block mask: a constant built at trace time where mask_mod's arrays are closed "
+          "over; where they are traced (jit arguments), rebuilt in each call: mask_mod "
+          f"evaluated on {where}, of {' x '.join(map(str, sizes))} (b, h, q, kv) positions "
+          f"(~{math.prod(sizes) / 1e6:.3g} M); build it once per batch with "
+          "pallas_attn.block_mask(...) and pass block_mask= to avoid that (attention checks "
+          "it against mask_mod's program, and against its arrays' values where those are "
+          "concrete; not under jit with them as arguments: build it in the step, from them)")

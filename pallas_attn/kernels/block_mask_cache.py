@@ -23,7 +23,7 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels.block_mask import BlockMask, build_block_masks
 from pallas_attn.schedule.config import clamp_block, heuristic_config
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
-from pallas_attn.spec.trace import is_concrete, staging
+from pallas_attn.spec.trace import is_concrete
 
 _BUILDERS: dict = {}  # fingerprint, argument types, shapes -> compiled builder
 _TRACED: dict = {}    # block_mask's jaxpr text, shapes -> (compiled builder, capture positions)
@@ -53,8 +53,8 @@ def compiled_builder(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, til
   """`build_block_masks` of `analysis` as a compiled function of mask_mod's
   captured arrays (concrete), cached per fingerprint, argument types, shapes,
   tilings and interpret mode: new values of the same shapes reuse it, and no
-  value is baked in. A compiled executable runs at once when called, so it
-  is called only where operations run now (`built_masks`, `block_mask`).
+  value is baked in. A compiled executable runs at once, also when called
+  inside another trace, whose constants its masks then are.
   """
   consts = analysis.mask_mod.traced.consts
   key = (analysis.fingerprint(), _arg_types(consts), batch, heads, seq_q, seq_kv, tilings,
@@ -65,18 +65,6 @@ def compiled_builder(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, til
                                              seq_kv, tilings, interpret)
     _remember(_BUILDERS, key, jax.jit(build).lower(consts).compile())
   return _BUILDERS[key]
-
-
-def built_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, tilings,
-                interpret) -> tuple:
-  """`build_block_masks` of `analysis`: run now by its compiled builder where
-  operations run now and mask_mod's captured arrays are concrete; else in
-  the program being traced (`jax.jit`), so that tracing runs no kernel."""
-  consts = analysis.mask_mod.traced.consts
-  shape = (batch, heads, seq_q, seq_kv, tilings, interpret)
-  if staging() or not all(map(is_concrete, consts)):
-    return build_block_masks(analysis, *shape)
-  return compiled_builder(analysis, *shape)(consts)
 
 
 _MASK_ARGS = [jax.ShapeDtypeStruct((), jnp.int32)] * 4
@@ -334,15 +322,13 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   shapes (new document ids), run it without tracing mask_mod, where what
   mask_mod reads is plain (closures, globals and defaults of functions,
   arrays, numbers, containers; see `_Walk`); otherwise they trace it once.
-  Inside a jitted function (any trace that stages a program) the build is
-  part of that program instead: tracing compiles and runs no builder.
+  Inside a jitted function whose arguments mask_mod captures, the mask is
+  built in that trace instead.
 
   The mask records mask_mod's program and a digest of its captured values,
   which `attention` checks (see its `block_mask` argument); the digest is
   computed by the builder, on device, with no transfer.
   """
-  shape = _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret)
-  if staging():
-    return build_block_masks(analyze_variant(mask_mod=mask_mod), *shape)[0]
-  build, argument = _eager_builder(mask_mod, shape)
+  build, argument = _eager_builder(
+      mask_mod, _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret))
   return build(argument)[0]
