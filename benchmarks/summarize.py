@@ -216,6 +216,103 @@ def variants(folders) -> list[str]:
   return lines + memory_line(folders)
 
 
+USER_ROWS = [  # label, the case without a mask and with a causal one (None: no such form)
+    ("vanilla", "vanilla", "causal"), ("softcap 30", "softcap", "softcap_causal"),
+    ("ALiBi", "alibi", "alibi_causal"), ("window 256", "window256_bidir", "window256"),
+    ("8 documents", "documents8_bidir", "documents8"), ("sigmoid", "sigmoid", "sigmoid_causal"),
+    ("ReLU", "relu", "relu_causal"), ("prefix-LM", None, "prefix_lm"),
+    ("sinks", "sink_bidir", "sink"), ("off-by-one softmax", "off_by_one", "off_by_one_causal"),
+    ("retention", None, "retention"), ("abs-sum clamp (README)", "abs_clamp", "abs_clamp_causal"),
+    ("softcap over documents (README)", None, "softcap_documents8"),
+    ("Gemma-2 local: softcap 50, window 4096", None, "gemma2_local")]
+USER_SEQS = ("4k", "16k")
+
+
+def _user_cases():
+  return [(label, form, variant) for label, *forms in USER_ROWS
+          for form, variant in zip(("none", "causal"), forms) if variant]
+
+
+def _newest_first(src: Source) -> Source:
+  """A table's cells from the newest file that has them (a rerun of some rows
+  wins), A/B experiments' files (`ab_*`) aside."""
+  src.files = sorted((d for d in src.files if not os.path.basename(d["path"]).startswith("ab_")),
+                     key=lambda d: (d.get("time", d["date"]), d["path"]), reverse=True)
+  return src
+
+
+def user_variants(folders) -> list[str]:
+  src = _newest_first(Source(folders, [(f"vanilla_{s}", "pallas_attn", m, ("kernel",))
+                                       for s in USER_SEQS for m in MODES]))
+  rows, flex, cudnn = [], {}, {}
+  for label, form, variant in _user_cases():
+    cells = [label, form]
+    for seq in USER_SEQS:
+      c = f"{variant}_{seq}"
+      for mode in MODES:
+        ours = src.row(c, "pallas_attn", mode)
+        cells.append(tflops(ours) if ours and ours["time_ms"] else
+                     "fails" if src.failure(c, "pallas_attn", mode) else "–")
+        for peer, found in (("flex", flex), ("cudnn", cudnn)):
+          found[label, form, seq, mode] = src.ratio((c, peer, mode), (c, "pallas_attn", mode))
+          cells.append(ratio_cell(found[label, form, seq, mode]))
+    rows.append(cells)
+  header = ["variant", "mask"] + [f"{seq} {h}" for seq in USER_SEQS for mode in ("fwd", "f+b")
+                                  for h in (f"ours {mode}", f"{mode} / Flex", f"{mode} / cuDNN")]
+  lines = [src.caption(), "", *table(header, rows), "", "Targets (issue 37):"]
+  for name, found, floor in (("Flex", flex, 1.2), ("cuDNN", cudnn, 1.0)):
+    low = sorted((v[0], key) for key, v in found.items() if v)
+    missed = [f"{k[0]} ({k[1]}) {k[2]} {'f+b' if k[3] == 'fwd_bwd' else k[3]} {v:.2f}"
+              for v, k in low if v < floor]
+    lines.append(f"- >= {floor}x {name} on every row it expresses: {len(low)} rows, lowest "
+                 f"{low[0][0]:.2f}: " + (met(True) if not missed
+                                          else met(False) + ": " + "; ".join(missed)) + ".")
+  return lines
+
+
+FIRST_CALL_CASES = [f"{variant}_4k" for _, _, variant in _user_cases()] + [
+    "alibi_causal_4k_fp32_dqk192"]
+
+
+def first_calls(folders) -> list[str]:
+  """Seconds of each variant's first call (ours, B4 S4k, variants one after
+  another in one process), and in a second process reading JAX's persistent
+  compilation cache (files named `*cache_read*`; `*cache*` files are not
+  first calls of a fresh process)."""
+  fresh = [Folder.__new__(Folder) for _ in folders]
+  for f, folder in zip(fresh, folders):
+    f.files = [d for d in folder.files if "cache" not in d["path"]]
+  src = _newest_first(Source(fresh, [("vanilla_4k", "pallas_attn", m, ("throughput",))
+                                     for m in MODES]))
+  cached = {(r["case"], r["mode"]): r["extra"].get("first_call_s")
+            for folder in folders[:1] for d in folder.files if "cache_read" in d["path"]
+            for r in d["rows"] if r["measure"] == "throughput"}
+  first = lambda c, m: (src.row(c, "pallas_attn", m, ("throughput",)) or {}).get(
+      "extra", {}).get("first_call_s")
+  rows, worst = [], {m: (0.0, "") for m in MODES}
+  for c in FIRST_CALL_CASES:
+    cells = [c]
+    for m in MODES:
+      x = first(c, m)
+      worst[m] = max(worst[m], (x or 0.0, c))
+      stages = (src.row(c, "pallas_attn", m, ("throughput",)) or {}).get("extra", {})
+      cells.append(num(x, ".1f") + (" (" + " / ".join(num(stages.get(f"{k}_s"), ".1f") for k in
+                                                        ("trace", "lower", "compile", "run"))
+                                    + ")" if x else ""))
+    rows.append(cells + [num(cached.get((c, m)), ".1f") for m in MODES])
+  header = ["case", "first fwd s (trace / lower / compile / run)",
+            "first fwd+bwd s (trace / lower / compile / run)", "fwd, cache read",
+            "fwd+bwd, cache read"]
+  lines = [src.caption(), "", *table(header, rows), ""]
+  for m, limit in (("fwd", 5.0), ("fwd_bwd", 10.0)):
+    x, c = worst[m]
+    missing = [c for c in FIRST_CALL_CASES if first(c, m) is None]
+    lines.append(f"- First {MODES[m]} under {limit:g} s for every variant: slowest {c} "
+                 f"{x:.1f} s: {met(x < limit and not missing)}"
+                 + (f" (not measured: {', '.join(missing)})" if missing else "") + ".")
+  return lines
+
+
 def memory_line(folders) -> list[str]:
   src = Source(folders, [(f"vanilla_{s}", OURS, m, ("compiled_memory",))
                          for s in ("16k", "64k") for m in MODES])
@@ -546,7 +643,9 @@ def tuning(folders) -> str:
           f"{met(statistics.mean(speed) >= 1.15 and max(seconds) < 120)}.")
 
 
-SECTIONS = [("variants", "Issue 15: the Mosaic GPU forward and backward", variants),
+SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms", user_variants),
+            ("first_calls", "Issue 37: first calls", first_calls),
+            ("variants", "Issue 15: the Mosaic GPU forward and backward", variants),
             ("terms", "Issue 14: computed-index captures, sinks", terms),
             ("block_mask", "Issue 14, item 3: block-mask builds", block_mask),
             ("train_example", "Issue 16: a small LM trained with the layers", train_example),
