@@ -244,6 +244,9 @@ def _newest_first(src: Source) -> Source:
 def user_variants(folders) -> list[str]:
   src = _newest_first(Source(folders, [(f"vanilla_{s}", "pallas_attn", m, ("kernel",))
                                        for s in USER_SEQS for m in MODES]))
+  calls, cached = first_call_source(folders)
+  slowest = {m: (0.0, "") for m in MODES}
+  missing = {m: [] for m in MODES}
   rows, flex, cudnn = [], {}, {}
   for label, form, variant in _user_cases():
     cells = [label, form]
@@ -256,10 +259,16 @@ def user_variants(folders) -> list[str]:
         for peer, found in (("flex", flex), ("cudnn", cudnn)):
           found[label, form, seq, mode] = src.ratio((c, peer, mode), (c, "pallas_attn", mode))
           cells.append(ratio_cell(found[label, form, seq, mode]))
-    rows.append(cells)
+    firsts = [first_call_s(calls, f"{variant}_4k", m) for m in MODES]
+    for m, x in zip(MODES, firsts):
+      slowest[m] = max(slowest[m], (x or 0.0, f"{label} ({form})"))
+      missing[m] += [] if x else [f"{label} ({form})"]
+    rows.append(cells + [" / ".join(num(x, ".1f") for x in firsts)])
   header = ["variant", "mask"] + [f"{seq} {h}" for seq in USER_SEQS for mode in ("fwd", "f+b")
                                   for h in (f"ours {mode}", f"{mode} / Flex", f"{mode} / cuDNN")]
-  lines = [src.caption(), "", *table(header, rows), "", "Targets (issue 37):"]
+  header.append("first call s, fwd / f+b")
+  lines = [src.caption(), "", *table(header, rows), "", "First calls: " + calls.caption(), "",
+           "Targets (issue 37):"]
   for name, found, floor in (("Flex", flex, 1.2), ("cuDNN", cudnn, 1.0)):
     low = sorted((v[0], key) for key, v in found.items() if v)
     missed = [f"{k[0]} ({k[1]}) {k[2]} {'f+b' if k[3] == 'fwd_bwd' else k[3]} {v:.2f}"
@@ -267,18 +276,27 @@ def user_variants(folders) -> list[str]:
     lines.append(f"- >= {floor}x {name} on every row it expresses: {len(low)} rows, lowest "
                  f"{low[0][0]:.2f}: " + (met(True) if not missed
                                           else met(False) + ": " + "; ".join(missed)) + ".")
+  for m, limit in (("fwd", 5.0), ("fwd_bwd", 10.0)):
+    x, where = slowest[m]
+    lines.append(f"- First {MODES[m]} under {limit:g} s for every variant (B4 S4k): slowest "
+                 f"{where} {x:.1f} s: {met(x < limit and not missing[m])}"
+                 + (f" (not measured: {', '.join(missing[m])})" if missing[m] else "") + ".")
+  fp32 = "alibi_causal_4k_fp32_dqk192"
+  lines.append(f"- float32 Dqk 192 / Dv 128 causal ALiBi: first call "
+               + " / ".join(num(first_call_s(calls, fp32, m), ".1f") for m in MODES)
+               + " s (fwd / f+b); a second process reading JAX's persistent cache: "
+               + ", ".join(f"{c.removesuffix('_4k')} {num(cached[c, 'fwd'], '.1f')} / "
+                           f"{num(cached[c, 'fwd_bwd'], '.1f')}" for c, m in cached
+                           if m == "fwd" and (c, "fwd_bwd") in cached) + " s.")
   return lines
 
 
-FIRST_CALL_CASES = [f"{variant}_4k" for _, _, variant in _user_cases()] + [
-    "alibi_causal_4k_fp32_dqk192"]
-
-
-def first_calls(folders) -> list[str]:
-  """Seconds of each variant's first call (ours, B4 S4k, variants one after
-  another in one process), and in a second process reading JAX's persistent
-  compilation cache (files named `*cache_read*`; `*cache*` files are not
-  first calls of a fresh process)."""
+def first_call_source(folders) -> tuple:
+  """(Source of the first-call rows, {(case, mode): seconds in a second
+  process reading JAX's persistent compilation cache}). First calls are
+  ours by throughput rows' `first_call_s` (variants one after another in one
+  process); files named `*cache_read*` hold the second process's, and no
+  `*cache*` file is a fresh process's."""
   fresh = [Folder.__new__(Folder) for _ in folders]
   for f, folder in zip(fresh, folders):
     f.files = [d for d in folder.files if "cache" not in d["path"]]
@@ -287,30 +305,12 @@ def first_calls(folders) -> list[str]:
   cached = {(r["case"], r["mode"]): r["extra"].get("first_call_s")
             for folder in folders[:1] for d in folder.files if "cache_read" in d["path"]
             for r in d["rows"] if r["measure"] == "throughput"}
-  first = lambda c, m: (src.row(c, "pallas_attn", m, ("throughput",)) or {}).get(
-      "extra", {}).get("first_call_s")
-  rows, worst = [], {m: (0.0, "") for m in MODES}
-  for c in FIRST_CALL_CASES:
-    cells = [c]
-    for m in MODES:
-      x = first(c, m)
-      worst[m] = max(worst[m], (x or 0.0, c))
-      stages = (src.row(c, "pallas_attn", m, ("throughput",)) or {}).get("extra", {})
-      cells.append(num(x, ".1f") + (" (" + " / ".join(num(stages.get(f"{k}_s"), ".1f") for k in
-                                                        ("trace", "lower", "compile", "run"))
-                                    + ")" if x else ""))
-    rows.append(cells + [num(cached.get((c, m)), ".1f") for m in MODES])
-  header = ["case", "first fwd s (trace / lower / compile / run)",
-            "first fwd+bwd s (trace / lower / compile / run)", "fwd, cache read",
-            "fwd+bwd, cache read"]
-  lines = [src.caption(), "", *table(header, rows), ""]
-  for m, limit in (("fwd", 5.0), ("fwd_bwd", 10.0)):
-    x, c = worst[m]
-    missing = [c for c in FIRST_CALL_CASES if first(c, m) is None]
-    lines.append(f"- First {MODES[m]} under {limit:g} s for every variant: slowest {c} "
-                 f"{x:.1f} s: {met(x < limit and not missing)}"
-                 + (f" (not measured: {', '.join(missing)})" if missing else "") + ".")
-  return lines
+  return src, cached
+
+
+def first_call_s(src: Source, case: str, mode: str) -> float | None:
+  row = src.row(case, "pallas_attn", mode, ("throughput",)) or {}
+  return row.get("extra", {}).get("first_call_s")
 
 
 def memory_line(folders) -> list[str]:
@@ -493,27 +493,10 @@ def multi_gpu(folders) -> list[str]:
               f"{x:.2f}x" for x in peaks) + f" one GPU's: {met(max(peaks) <= 0.6)}."]
 
 
-MASK_ROWS = [("vanilla", "vanilla_4k", ""), ("causal", "causal_4k", ""),
-             ("softcap 30", "softcap_4k", ""), ("ALiBi", "alibi_4k", " (dense bias)"),
-             ("sliding window 256", "window256_4k", ""),
-             ("sliding window 1024", "window1024_4k", ""),
-             ("8 documents, causal", "documents8_4k", " (dense mask)")]
-
-
 def earlier(folders) -> list[str]:
-  """Issues resolved on the Triton template: masks, causal, linear attention, backward."""
-  src = Source(folders, [(c, "pallas_attn", "fwd", ("kernel",)) for _, c, _ in MASK_ROWS])
-  rows = [[label, tflops(src.row(c, "pallas_attn", "fwd")), tflops(src.row(c, "flex", "fwd")),
-           tflops(src.row(c, "cudnn:dense", "fwd")) + (dense if src.row(c, "cudnn:dense", "fwd")
-                                                         else ""),
-           tflops(src.row(c, "xla", "fwd", WALL)),
-           ratio_cell(src.ratio((c, "flex", "fwd"), (c, "pallas_attn", "fwd")))]
-          for label, c, dense in MASK_ROWS]
-  lines = ["**Masks, B4 H16 S4096 d128 forward TFLOP/s** (ours with the block mask built once, "
-           "as Flex's; ours, Flex and cuDNN by kernel time, XLA by wall clock). " + src.caption(),
-           "", *table(["variant", "ours", "Flex", "cuDNN", "XLA", "Flex/ours (kernel time)"],
-                      rows), ""]
-  return lines + causal(folders) + linear(folders) + pallas_ref(folders)
+  """Issues resolved on the Triton template: causal, linear attention, backward
+  (its masks table is now issue 37's)."""
+  return causal(folders) + linear(folders) + pallas_ref(folders)
 
 
 def causal(folders) -> list[str]:
@@ -643,8 +626,7 @@ def tuning(folders) -> str:
           f"{met(statistics.mean(speed) >= 1.15 and max(seconds) < 120)}.")
 
 
-SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms", user_variants),
-            ("first_calls", "Issue 37: first calls", first_calls),
+SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms, and first calls", user_variants),
             ("variants", "Issue 15: the Mosaic GPU forward and backward", variants),
             ("terms", "Issue 14: computed-index captures, sinks", terms),
             ("block_mask", "Issue 14, item 3: block-mask builds", block_mask),
