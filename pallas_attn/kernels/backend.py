@@ -19,6 +19,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_attn.schedule.device import device_config
 
+
 def default_interpret() -> bool:
   """Interpret mode when JAX's default backend is the CPU (tests, CI)."""
   return jax.default_backend() == "cpu"
