@@ -113,12 +113,17 @@ def _fixed(variant: V.Variant) -> Built:
   return Built(lambda _: variant.kwargs())
 
 
-def _learned(make_kwargs, shape_of, seed: int):
-  """A causal variant with a learned float32 parameter of `shape_of(shape)`."""
+def _learned(make_kwargs, shape_of, seed: int, causal: bool = True):
+  """A variant (causal unless said) with a learned float32 parameter of `shape_of(shape)`."""
   def build(shape: ProblemShape) -> Built:
     param = jax.random.normal(jax.random.key(seed), shape_of(shape), jnp.float32)
-    return Built(lambda p: dict(make_kwargs(p, shape), mask_mod=V.causal().mask_mod), param)
+    mask = dict(mask_mod=V.causal().mask_mod) if causal else {}
+    return Built(lambda p: dict(make_kwargs(p, shape), **mask), param)
   return build
+
+
+def _sink_kwargs(sinks, _):
+  return dict(sinks=sinks)
 
 
 def _rel_table_kwargs(table, shape):
@@ -145,7 +150,7 @@ VARIANTS: dict[str, Callable[[ProblemShape], Built]] = {
     # relative-position table t[h, q - kv + S - 1]: a computed index (a gather in the kernel)
     "rel_table": _learned(_rel_table_kwargs, lambda s: (s.heads_q, 2 * s.seq_kv - 1), 20),
     "t5_buckets": _learned(_t5_kwargs, lambda s: (s.heads_q, T5_BUCKETS), 21),
-    "sink": _learned(lambda sinks, _: dict(sinks=sinks), lambda s: (s.heads_q,), 22),
+    "sink": _learned(_sink_kwargs, lambda s: (s.heads_q,), 22),
     # the other mask form of the rows above, and the built-ins not among them (issue 37)
     "softcap_causal": lambda s: _fixed(V.softcap(30.0) + V.causal()),
     "window256_bidir": lambda s: _fixed(V.sliding_window(256, causal=False, seq_q=s.seq_q,
@@ -155,15 +160,14 @@ VARIANTS: dict[str, Callable[[ProblemShape], Built]] = {
     "relu": lambda s: _fixed(V.relu(seq_kv=s.seq_kv)),
     "relu_causal": lambda s: _fixed(V.relu(seq_kv=s.seq_kv) + V.causal()),
     "prefix_lm": lambda s: _fixed(V.prefix_lm(s.seq_kv // 2, seq_q=s.seq_q, seq_kv=s.seq_kv)),
-    "sink_bidir": lambda s: Built(lambda sinks: dict(sinks=sinks), jax.random.normal(
-        jax.random.key(22), (s.heads_q,), jnp.float32)),
-    "off_by_one": lambda s: Built(lambda _: dict(rownorm=V.off_by_one_softmax)),
+    "sink_bidir": _learned(_sink_kwargs, lambda s: (s.heads_q,), 22, causal=False),
+    "off_by_one": lambda s: _fixed(V.Variant("off_by_one", rownorm=V.off_by_one_softmax)),
     "off_by_one_causal": lambda s: _fixed(V.causal() + V.Variant(
         "off_by_one", rownorm=V.off_by_one_softmax)),
     "retention": lambda s: _fixed(V.retention_parallel(num_heads=s.heads_q)),
     # the README's recipes: RetNet's abs-sum clamp as a rownorm, Gemma-2's soft-capping
     # over packed documents, and Gemma-2's local layers (soft-capping, a 4096 window)
-    "abs_clamp": lambda s: Built(lambda _: dict(rownorm=V.retention_norm)),
+    "abs_clamp": lambda s: _fixed(V.Variant("abs_clamp", rownorm=V.retention_norm)),
     "abs_clamp_causal": lambda s: _fixed(V.causal() + V.Variant(
         "abs_clamp", rownorm=V.retention_norm)),
     "softcap_documents8": lambda s: _fixed(V.softcap(30.0) + V.document(
