@@ -12,10 +12,13 @@ import pytest
 from pallas_attn.kernels.linear.reference import (
     chunked_delta_rule_jnp, delta_rule_reference)
 from pallas_attn.kernels.linear.triangular import invert_unit_lower
+from pallas_attn.linear import linear_attention, linear_attention_step
 
 B, S, H, DK, DV = 1, 40, 2, 16, 24  # S is not a multiple of the chunk
 CHUNK = 16
 KINDS = ["none", "scalar", "vector"]  # DeltaNet, Gated DeltaNet, KDA
+INTERPRET = [True, pytest.param(False, marks=pytest.mark.gpu)]
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -80,3 +83,104 @@ def test_chunked_jnp_matches_scan(kind):
                                           initial_state=initial)
   assert_close(o, o_ref, 1e-5, "o")
   assert_close(state, state_ref, 1e-5, "state")
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_matches_scan(kind, interpret):
+  q, k, v, beta, log_decay = _inputs(kind)
+  initial = _normal(9, (B, H, DK, DV))
+  o, state = linear_attention(
+      q, k, v, beta=beta, log_decay=log_decay, initial_state=initial,
+      return_final_state=True, chunk_size=CHUNK, interpret=interpret)
+  o_ref, state_ref = delta_rule_reference(q, k, v, beta, log_decay=log_decay,
+                                          initial_state=initial)
+  assert_close(o, o_ref, TOL[jnp.float32], "o")
+  assert_close(state, state_ref, TOL[jnp.float32], "state")
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_bfloat16_with_feature_maps(interpret):
+  """bf16 inputs, the models' L2 norm as q_mod/k_mod, a per-head decay."""
+  q, k, v, beta, _ = _inputs("none", jnp.bfloat16)
+  q, k = 3 * q, 2 * k  # the maps normalise them again
+  log_decay = jnp.array([-0.1, -0.5])
+  o = linear_attention(q, k, v, beta=beta, log_decay=log_decay,
+                       q_mod=_l2_normalize, k_mod=_l2_normalize,
+                       chunk_size=CHUNK, interpret=interpret)
+  o_ref, _ = delta_rule_reference(q, k, v, beta, log_decay=log_decay,
+                                  q_mod=_l2_normalize, k_mod=_l2_normalize)
+  assert o.dtype == jnp.bfloat16
+  assert_close(o, o_ref, TOL[jnp.bfloat16], "o")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_then_decode_steps_equal_one_call(kind):
+  q, k, v, beta, log_decay = _inputs(kind, seq_len=20)
+  prompt = 17
+  o_all = linear_attention(q, k, v, beta=beta, log_decay=log_decay,
+                           chunk_size=CHUNK)
+  cut = lambda x, s: None if x is None else x[:, s]
+  o_prompt, state = linear_attention(
+      q[:, :prompt], k[:, :prompt], v[:, :prompt], beta=beta[:, :prompt],
+      log_decay=cut(log_decay, slice(0, prompt)), return_final_state=True,
+      chunk_size=CHUNK)
+  steps = [o_prompt]
+  for t in range(prompt, q.shape[1]):
+    o_t, state = linear_attention_step(
+        q[:, t], k[:, t], v[:, t], state, beta_t=beta[:, t],
+        log_decay_t=cut(log_decay, t))
+    steps.append(o_t[:, None])
+  assert_close(jnp.concatenate(steps, 1), o_all, TOL[jnp.float32])
+
+
+def test_two_calls_chained_through_the_state():
+  q, k, v, beta, log_decay = _inputs("vector")
+  o_all, state_all = linear_attention(
+      q, k, v, beta=beta, log_decay=log_decay, return_final_state=True,
+      chunk_size=CHUNK)
+  halves = [slice(0, 23), slice(23, S)]
+  outputs, state = [], None
+  for part in halves:
+    o, state = linear_attention(
+        q[:, part], k[:, part], v[:, part], beta=beta[:, part],
+        log_decay=log_decay[:, part], initial_state=state,
+        return_final_state=True, chunk_size=CHUNK)
+    outputs.append(o)
+  assert_close(jnp.concatenate(outputs, 1), o_all, TOL[jnp.float32], "o")
+  assert_close(state, state_all, TOL[jnp.float32], "state")
+
+
+def test_jit_closure_and_vmap():
+  q, k, v, beta, log_decay = _inputs("scalar")
+  expected = linear_attention(q, k, v, beta=beta, log_decay=log_decay,
+                              chunk_size=CHUNK)
+  closed = jax.jit(lambda q: linear_attention(
+      q, k, v, beta=beta, log_decay=log_decay, chunk_size=CHUNK))
+  assert_close(closed(q), expected, TOL[jnp.float32], "jit")
+  batched = jax.vmap(lambda q, k, v, beta, g: linear_attention(
+      q[None], k[None], v[None], beta=beta[None], log_decay=g[None],
+      chunk_size=CHUNK)[0])
+  assert_close(batched(q, k, v, beta, log_decay), expected,
+               TOL[jnp.float32], "vmap")
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(beta=jnp.ones((B, S, H, 1))), ValueError, "beta has shape"),
+    (dict(beta=jnp.ones((B, S, H), jnp.int32)), TypeError, "floating point"),
+    (dict(beta=[1.0]), TypeError, "must be an array"),
+    (dict(beta=jnp.ones((B, S, H)), normalize=True), ValueError,
+     "normaliser"),
+])
+def test_bad_inputs(bad, error, words):
+  q, k, v, _, _ = _inputs("none")
+  with pytest.raises(error, match=words):
+    linear_attention(q, k, v, **bad)
+
+
+def test_bad_step_beta():
+  q, k, v, _, _ = _inputs("none", seq_len=1)
+  state = jnp.zeros((B, H, DK, DV))
+  with pytest.raises(ValueError, match=r"beta_t has shape .*\[B, H\]"):
+    linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state,
+                          beta_t=jnp.ones((B, 1, H)))
