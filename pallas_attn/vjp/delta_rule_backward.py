@@ -1,6 +1,7 @@
 """The delta rule on padded inputs, and its `jax.custom_vjp`.
 
-The backward is not yet a fused kernel: it differentiates the chunked jnp
+The forward is the Pallas kernels of `kernels.linear.delta_rule`. The
+backward is not yet a fused kernel: it differentiates the chunked jnp
 form (`reference.chunked_delta_rule_jnp`, the same WY algebra as the
 forward, rematerialised chunk by chunk) with JAX autodiff. Correct in every
 input (q, k, v, beta, log_decay, initial state), but an XLA loop over
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
+from pallas_attn.kernels.linear.delta_rule import delta_rule_forward
 from pallas_attn.kernels.linear.reference import chunked_delta_rule_jnp
 
 
@@ -31,8 +33,10 @@ def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
   """The delta rule on padded inputs (S a multiple of the chunk), each
   array differentiable. beta: [B, S, H] (zero on padded steps); log_decay:
   None, [B, S, H] or [B, S, H, Dk] step log decays. Returns (o, final
-  state float32)."""
-  return _chunked_jnp(q, k, v, beta, log_decay, initial_state, schedule)
+  state float32). The forward runs the Pallas kernels of
+  `kernels.linear.delta_rule`."""
+  return delta_rule_forward(q, k, v, beta, log_decay, initial_state,
+                            schedule)
 
 
 def _forward_with_residuals(q, k, v, beta, log_decay, initial_state,

@@ -292,18 +292,30 @@ def state_pass_stages(num_programs: int) -> int:
 
 
 def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
-                  reverse: bool, factor: float, fp32_exact: bool):
-  """Carries one [block_k, block_v] state tile through the chunks."""
+                  reverse: bool, factor: float, delta: bool,
+                  fp32_exact: bool):
+  """Carries one [block_k, block_v] state tile through the chunks.
+
+  With `delta` (the delta rule) y holds the pseudo-values U~ and the
+  chunk's values are U~ - W S, S the entering state (all Dk rows of it),
+  stored to `values_ref`.
+  """
   x_ref, y_ref, *refs = refs
+  w_ref = refs.pop(0) if delta else None
   g_ref = refs.pop(0) if decay_kind != "none" else None
-  initial_ref, states_ref, final_ref = refs
+  initial_ref, states_ref, final_ref, *values_ref = refs
 
   def body(i, state):
     c = num_chunks - 1 - i if reverse else i
     states_ref[c, :, :] = state.astype(states_ref.dtype)
     start = pl.multiple_of(c * chunk, chunk)
     rows, last = pl.ds(start, chunk), start + chunk - 1
-    x = x_ref[rows, :]
+    x, y = x_ref[rows, :], y_ref[rows, :]
+    if delta:
+      predicted = backend.dot(w_ref[rows, :], state.astype(w_ref.dtype),
+                              fp32_exact=fp32_exact)
+      y = (y.astype(jnp.float32) - predicted).astype(y_ref.dtype)
+      values_ref[0][rows, :] = y
     if decay_kind == "vector":  # g [C, block_k]; the state decays per row
       g, g_last = g_ref[rows, :], g_ref[last, :][None, :]
       state = jnp.exp2(g_last).T * state
@@ -312,7 +324,7 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
       state = jnp.exp2(g_last) * state
     if decay_kind != "none":
       x = scale_rows(x, g if reverse else g_last - g).astype(x_ref.dtype)
-    contribution = backend.dot(x.T, y_ref[rows, :], fp32_exact=fp32_exact)
+    contribution = backend.dot(x.T, y, fp32_exact=fp32_exact)
     return state + factor * contribution
 
   final_ref[...] = lax.fori_loop(0, num_chunks, body,
@@ -320,7 +332,7 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
 
 
 def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
-               reverse: bool):
+               reverse: bool, pseudo_keys=None):
   """The sequential pass over chunks, forwards for S or in reverse for dS.
 
   Forwards (x = k, y = v): S <- exp(g_last) S + (x * exp(g_last - g))^T y,
@@ -334,12 +346,21 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   float32 (the first state, or dS after the last chunk). Returns (per-chunk
   states [B, H, S / C, Dk, Dv] in x's dtype, the last carry [B, H, Dk, Dv]
   float32).
+
+  pseudo_keys: the delta rule's W [B, S, H, Dk] (forwards only), y its
+  pseudo-values U~ (`delta_rule.ut_transform`): each chunk's values are
+  then U~ - W S from the state S entering it, and are returned as a third
+  output [B, S, H, Dv] in y's dtype. A program then holds all Dk rows of
+  its state tile (W S contracts over them).
   """
   batch, seq_len, heads, d_feature = x.shape
   d_v = y.shape[-1]
   chunk = schedule.chunk_size
   num_chunks = seq_len // chunk
   block_k, block_v = state_tile(d_feature, d_v)
+  delta = pseudo_keys is not None
+  if delta:
+    block_k = d_feature
   tile_spec = pl.BlockSpec((None, None, block_k, block_v),
                            lambda b, h, i, j: (b, h, i, j))
   in_specs = [
@@ -348,6 +369,10 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
       pl.BlockSpec((None, seq_len, None, block_v),
                    lambda b, h, i, j: (b, 0, h, j))]
   inputs = [x, y]
+  if delta:
+    in_specs.append(pl.BlockSpec((None, seq_len, None, d_feature),
+                                 lambda b, h, i, j: (b, 0, h, 0)))
+    inputs.append(pseudo_keys)
   if log_decay_cum is not None:
     if log_decay_cum.ndim == 3:
       in_specs.append(pl.BlockSpec((None, seq_len, None),
@@ -365,12 +390,15 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   out_specs = [pl.BlockSpec((None, None, num_chunks, block_k, block_v),
                             lambda b, h, i, j: (b, h, 0, i, j)),
                tile_spec]
+  if delta:
+    out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
+    out_specs.append(in_specs[1])
   kernel = functools.partial(
       _state_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
       num_chunks=num_chunks, reverse=reverse,
-      factor=schedule.scale if reverse else 1.0,
+      factor=schedule.scale if reverse else 1.0, delta=delta,
       fp32_exact=x.dtype == jnp.float32)
-  direction = "bwd" if reverse else "fwd"
+  direction = "delta" if delta else "bwd" if reverse else "fwd"
   grid = (batch, heads, d_feature // block_k, d_v // block_v)
   return backend.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
@@ -514,6 +542,39 @@ def _output_kernel(*refs, schedule: ChunkedSchedule, fp32_exact: bool):
          mm=functools.partial(backend.dot, fp32_exact=fp32_exact))
 
 
+def cumulative_log_decay(log_decay, schedule: ChunkedSchedule):
+  """The kernels' `g` of step log decays (None without decay)."""
+  if log_decay is None:
+    return None
+  return chunk_cumulative_log_decay(log_decay, schedule.chunk_size,
+                                    interpret=schedule.interpret)
+
+
+def output_pass(q, k, v, log_decay_cum, chunk_states,
+                schedule: ChunkedSchedule):
+  """o [B, S, H, Dv] from q, k, v and the states entering each chunk
+  [B, H, S / C, Dk, Dv], all chunks in parallel (shapes as in
+  `chunked_forward`)."""
+  batch, seq_len, heads, d_feature = q.shape
+  d_v = v.shape[-1]
+  block_v = schedule.block_v
+  in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
+  in_specs.append(chunk_state_spec(schedule, d_feature))
+  inputs.append(chunk_states)
+  kernel = functools.partial(_output_kernel, schedule=schedule,
+                             fp32_exact=q.dtype == jnp.float32)
+  return backend.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((batch, seq_len, heads, d_v),
+                                             jnp.dtype(schedule.out_dtype)),
+      grid=(d_v // block_v, seq_len // schedule.rows_per_program, batch,
+            heads),
+      in_specs=in_specs,
+      out_specs=row_spec(schedule, block_v, column_blocked=True),
+      num_warps=schedule.num_warps, num_stages=schedule.num_stages,
+      interpret=schedule.interpret,
+      name=f"linear_attention_fwd_{schedule.decay_kind}")(*inputs)
+
+
 def chunked_forward(q, k, v, log_decay_cum, initial_state,
                     schedule: ChunkedSchedule):
   """Runs the state pass and the output pass on padded inputs.
@@ -527,26 +588,9 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
   entering each chunk [B, H, S / C, Dk, Dv] in q's dtype: the output pass
   reads it, and the backward keeps it as a residual).
   """
-  batch, seq_len, heads, d_feature = q.shape
-  d_v = v.shape[-1]
-  block_v = schedule.block_v
   chunk_states, final_state = state_pass(k, v, log_decay_cum, initial_state,
                                          schedule, reverse=False)
-  in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
-  in_specs.append(chunk_state_spec(schedule, d_feature))
-  inputs.append(chunk_states)
-  kernel = functools.partial(_output_kernel, schedule=schedule,
-                             fp32_exact=q.dtype == jnp.float32)
-  o = backend.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((batch, seq_len, heads, d_v),
-                                             jnp.dtype(schedule.out_dtype)),
-      grid=(d_v // block_v, seq_len // schedule.rows_per_program, batch,
-            heads),
-      in_specs=in_specs,
-      out_specs=row_spec(schedule, block_v, column_blocked=True),
-      num_warps=schedule.num_warps, num_stages=schedule.num_stages,
-      interpret=schedule.interpret,
-      name=f"linear_attention_fwd_{schedule.decay_kind}")(*inputs)
+  o = output_pass(q, k, v, log_decay_cum, chunk_states, schedule)
   return o, final_state, chunk_states
 
 
