@@ -184,3 +184,38 @@ def test_bad_step_beta():
   with pytest.raises(ValueError, match=r"beta_t has shape .*\[B, H\]"):
     linear_attention_step(q[:, 0], k[:, 0], v[:, 0], state,
                           beta_t=jnp.ones((B, 1, H)))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("kind", KINDS + ["per_head"])
+def test_gradients_match_scan(kind, interpret):
+  """d/d(q, k, v, beta, log_decay, initial state) of a random functional of
+  o and the final state, against jax.grad of the scan reference."""
+  q, k, v, beta, log_decay = _inputs("none" if kind == "per_head" else kind,
+                                     seq_len=24)
+  if kind == "per_head":
+    log_decay = jnp.array([-0.2, -0.7])
+  initial = _normal(9, (B, H, DK, DV))
+  o_weights = _normal(10, (B, 24, H, DV))
+  state_weights = _normal(11, (B, H, DK, DV))
+
+  def loss(attend, *args):
+    o, state = attend(*args)
+    return jnp.sum(o * o_weights) + jnp.sum(state * state_weights)
+
+  def kernels(q, k, v, beta, log_decay, initial):
+    return linear_attention(
+        q, k, v, beta=beta, log_decay=log_decay, initial_state=initial,
+        return_final_state=True, chunk_size=CHUNK, interpret=interpret)
+
+  def scan(q, k, v, beta, log_decay, initial):
+    return delta_rule_reference(q, k, v, beta, log_decay=log_decay,
+                                initial_state=initial)
+
+  args = (q, k, v, beta, log_decay, initial)
+  argnums = tuple(i for i, x in enumerate(args) if x is not None)
+  grads = jax.grad(loss, argnums=[i + 1 for i in argnums])(kernels, *args)
+  expected = jax.grad(loss, argnums=[i + 1 for i in argnums])(scan, *args)
+  names = ["q", "k", "v", "beta", "log_decay", "initial_state"]
+  for i, grad, want in zip(argnums, grads, expected):
+    assert_close(grad, want, 1e-4, "d" + names[i])
