@@ -4,6 +4,8 @@
 Kernels run in Pallas interpret mode on the CPU; the `interpret=False`
 cases (marked `gpu`) run the compiled kernels and skip without a GPU.
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,10 @@ from pallas_attn.kernels.linear.reference import (
     chunked_delta_rule_jnp, delta_rule_reference)
 from pallas_attn.kernels.linear.triangular import invert_unit_lower
 from pallas_attn.linear import linear_attention, linear_attention_step
+
+# The module (the package re-exports a function of the same name).
+chunked_forward = importlib.import_module(
+    "pallas_attn.kernels.linear.chunked_forward")
 
 B, S, H, DK, DV = 1, 40, 2, 16, 24  # S is not a multiple of the chunk
 CHUNK = 16
@@ -82,6 +88,33 @@ def test_forward_matches_scan(kind, interpret):
                                           initial_state=initial)
   assert_close(o, o_ref)
   assert_close(state, state_ref)
+
+
+def test_state_pass_in_several_value_blocks(monkeypatch):
+  """The delta state pass holds all Dk rows of a tile (W S contracts over
+  them) and splits Dv: two 16-column blocks here, one at full size."""
+  assert chunked_forward.state_tile(128, 128, whole_rows=True) == (128, 64)
+  monkeypatch.setattr(chunked_forward, "STATE_TILE", DK * 16)
+  q, k, v, beta, log_decay = _inputs("scalar")
+  o, state = linear_attention(q, k, v, beta=beta, log_decay=log_decay,
+                              return_final_state=True, chunk_size=CHUNK)
+  o_ref, state_ref = delta_rule_reference(q, k, v, beta, log_decay=log_decay)
+  assert_close(o, o_ref)
+  assert_close(state, state_ref)
+
+
+@pytest.mark.parametrize("kind", ["scalar", "vector"])
+def test_hard_reset(kind):
+  """A log decay of -inf forgets the state (Gated DeltaNet's reset) without
+  NaNs, forwards and backwards."""
+  q, k, v, beta, log_decay = _inputs(kind)
+  log_decay = log_decay.at[:, 21].set(-jnp.inf)
+  attend = lambda q, beta: linear_attention(
+      q, k, v, beta=beta, log_decay=log_decay, chunk_size=CHUNK)
+  o_ref, _ = delta_rule_reference(q, k, v, beta, log_decay=log_decay)
+  assert_close(attend(q, beta), o_ref)
+  grads = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1))(q, beta)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
 @pytest.mark.parametrize("interpret", MODES)

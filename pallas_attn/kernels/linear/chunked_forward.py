@@ -264,9 +264,12 @@ def diagonal_block(q, g, k_ref, g_ref, start, num_keys, d_scores=None):
   return lax.fori_loop(0, num_keys, key_row, init)
 
 
-def state_tile(d_feature: int, d_v: int) -> tuple[int, int]:
+def state_tile(d_feature: int, d_v: int, *,
+               whole_rows: bool = False) -> tuple[int, int]:
   """(block_k, block_v) of the state pass: Dv columns first (up to 128),
-  then as many Dk rows as fit STATE_TILE.
+  then as many Dk rows as fit STATE_TILE; with `whole_rows` (the delta
+  rule contracts the state over Dk) all Dk rows and the Dv columns that
+  fit beside them (at least 16).
 
   Whole 128-wide Dv rows read each token's k row (and, for GLA, its decay
   row) once per Dk block instead of once per (Dk, Dv) tile; the pass is
@@ -274,6 +277,8 @@ def state_tile(d_feature: int, d_v: int) -> tuple[int, int]:
   0.24 -> 0.17 ms with 64 x 128 tiles; Mamba2, Dv 64, 0.33 -> 0.29 ms with
   128 x 64 ones, against 64 x 64).
   """
+  if whole_rows:
+    return d_feature, min(d_v, max(16, STATE_TILE // d_feature))
   block_v = min(d_v, 128)
   return min(d_feature, STATE_TILE // block_v), block_v
 
@@ -357,10 +362,8 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   d_v = y.shape[-1]
   chunk = schedule.chunk_size
   num_chunks = seq_len // chunk
-  block_k, block_v = state_tile(d_feature, d_v)
   delta = pseudo_keys is not None
-  if delta:
-    block_k = d_feature
+  block_k, block_v = state_tile(d_feature, d_v, whole_rows=delta)
   tile_spec = pl.BlockSpec((None, None, block_k, block_v),
                            lambda b, h, i, j: (b, h, i, j))
   in_specs = [
