@@ -49,8 +49,8 @@ q and k, beta = sigmoid(b) (values up to 2 are allowed)::
                          log_decay=log_decay)  # [B, S, H], or [B, S, H, Dk]
 
 The delta rule's forward runs Pallas kernels; its backward is not yet a
-fused kernel: it is JAX autodiff of the chunked jnp form
-(`pallas_attn.vjp.delta_rule_backward`), correct but slower.
+fused kernel: it is plain JAX (`pallas_attn.vjp.delta_rule_backward`),
+correct but slower.
 
 Random-feature attention: `q_mod`/`k_mod` may change the feature width, e.g.
 `lambda x: jnp.concatenate([jnp.cos(x @ W), jnp.sin(x @ W)], -1)`.

@@ -97,7 +97,8 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
                        schedule: ChunkedSchedule):
   """The delta rule on padded inputs (as `chunked_forward`; beta [B, S, H],
   log_decay the *step* log decays or None). Returns (o, final state
-  [B, H, Dk, Dv] float32)."""
+  [B, H, Dk, Dv] float32, and for the backward the states entering each
+  chunk [B, H, S / C, Dk, Dv] in k's dtype and W [B, S, H, Dk])."""
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
   pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum,
                                             schedule)
@@ -105,4 +106,4 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
       k, pseudo_values, log_decay_cum, initial_state, schedule,
       reverse=False, pseudo_keys=pseudo_keys)
   o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
-  return o, final_state
+  return o, final_state, chunk_states, pseudo_keys
