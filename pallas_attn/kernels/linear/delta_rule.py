@@ -37,6 +37,29 @@ from pallas_attn.kernels.linear.chunked_forward import (
 from pallas_attn.kernels.linear.triangular import invert_unit_lower
 
 
+def strictly_lower(chunk: int):
+  """[C, C] mask of i > j: the pairs the delta rule's system couples."""
+  return (lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+          > lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1))
+
+
+def wy_transform(key_products, beta):
+  """T = (I + L)^-1 [C, C] float32, L = beta_i * key_products_ij below the
+  diagonal (key_products: the decayed K K^T; beta [C, 1])."""
+  chunk = key_products.shape[0]
+  return invert_unit_lower(
+      jnp.where(strictly_lower(chunk), beta * key_products, 0.0))
+
+
+def chunk_spec(chunk: int, width: int | None = None):
+  """One chunk of one head of a [B, S, H] or [B, S, H, width] array, for a
+  grid (chunk, batch, head)."""
+  if width is None:
+    return pl.BlockSpec((None, chunk, None), lambda c, b, h: (b, c, h))
+  return pl.BlockSpec((None, chunk, None, width),
+                      lambda c, b, h: (b, c, h, 0))
+
+
 def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
                          fp32_exact: bool):
   """W and U~ of one chunk of one head."""
@@ -52,10 +75,7 @@ def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
   else:
     decay, g, _ = dense_decay(g_ref, chunk)
     products = mm(k, k, trans_b=True) * decay
-  strictly_lower = (lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-                    > lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1))
-  transform = invert_unit_lower(
-      jnp.where(strictly_lower, beta * products, 0.0)).astype(dtype)
+  transform = wy_transform(products, beta).astype(dtype)
   keys = beta * scale_rows(k.astype(jnp.float32), g)
   w_ref[...] = mm(transform, keys.astype(dtype)).astype(w_ref.dtype)
   values = beta * v_ref[...].astype(jnp.float32)
@@ -68,13 +88,7 @@ def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule):
   log_decay_cum: None, [B, S, H] or [B, S, H, Dk] (base 2, cumulative)."""
   batch, seq_len, heads, d_feature = k.shape
   chunk = schedule.chunk_size
-
-  def rows(width=None):  # one chunk of one head, grid (chunk, batch, head)
-    if width is None:
-      return pl.BlockSpec((None, chunk, None), lambda c, b, h: (b, c, h))
-    return pl.BlockSpec((None, chunk, None, width),
-                        lambda c, b, h: (b, c, h, 0))
-
+  rows = functools.partial(chunk_spec, chunk)
   in_specs = [rows(d_feature), rows(v.shape[-1]), rows()]
   inputs = [k, v, beta]
   if log_decay_cum is not None:
