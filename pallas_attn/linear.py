@@ -49,9 +49,8 @@ q and k, beta = sigmoid(b) (values up to 2 are allowed)::
                          log_decay=log_decay)  # [B, S, H], or [B, S, H, Dk]
 
 The delta rule's forward runs Pallas kernels; its backward is not yet fully
-fused: the reverse pass over chunks is a `lax.scan`, and for per-feature
-decays (KDA) the per-chunk gradients are JAX autodiff, not a kernel
-(`pallas_attn.vjp.delta_rule_backward`).
+fused: the per-chunk gradients are a Pallas kernel, but the reverse pass
+over chunks is a `lax.scan` (`pallas_attn.vjp.delta_rule_backward`).
 
 Random-feature attention: `q_mod`/`k_mod` may change the feature width, e.g.
 `lambda x: jnp.concatenate([jnp.cos(x @ W), jnp.sin(x @ W)], -1)`.

@@ -15,12 +15,10 @@ backward has two steps, the first one not yet a kernel:
 2. Every chunk's gradients, all chunks in parallel, from its entering state
    (the forward's residual) and the cotangents of its outputs and leaving
    state: a chunk sees the decays of earlier ones only through its entering
-   state, so these local gradients are the whole gradients. For the "none"
-   and "scalar" kinds (DeltaNet, Gated DeltaNet) a Pallas kernel
-   (`_dense_gradient_kernel`); for per-feature decays (KDA) JAX autodiff of
-   the chunk's WY form (`reference.delta_rule_chunk`), which holds
-   [C, C, Dk] decay tensors for every chunk at once: far more memory than
-   a kernel would use at long sequences.
+   state, so these local gradients are the whole gradients: one Pallas
+   program per chunk and head (`_gradient_kernel`), for all three decay
+   kinds (per-feature decays pair rows elementwise, as the template's
+   `diagonal_block` does).
 
 Correct in every input (q, k, v, beta, log_decay, initial state).
 """
@@ -36,12 +34,11 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, ChunkedSchedule, cumulative_log_decay, dense_decay,
-    scale_rows)
+    diagonal_block, scale_rows)
 from pallas_attn.kernels.linear.delta_rule import (
     chunk_spec, delta_rule_forward, strictly_lower, wy_transform)
 from pallas_attn.kernels.linear.reference import (
-    chunk_step_log_decay, decayed_products, delta_rule_chunk, from_chunks,
-    to_chunks)
+    chunk_step_log_decay, decayed_products, to_chunks)
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -92,20 +89,40 @@ def _leaving_state_cotangents(q, k, log_decay, pseudo_keys, d_out, d_final,
   return d_leaving, d_initial
 
 
-def _dense_gradient_kernel(*refs, chunk: int, scale: float, has_decay: bool,
-                           fp32_exact: bool):
-  """Gradients of one chunk of one head ("none"/"scalar" decay), float32.
+def _decayed_pairs(x, k_ref, g_ref, decay, *, vector: bool, mm,
+                   d_pairs=None):
+  """P_ij = sum_d x_id k_jd 2^(g_id - g_jd) for i >= j, else 0 ([C, C]),
+  and given d_pairs (its cotangent) the gradients of x and k ([C, D]).
+
+  decay: `dense_decay`'s masked decay matrix ("none"/"scalar"); per-feature
+  decays run the template's elementwise `diagonal_block` instead.
+  """
+  if vector:
+    return diagonal_block(x, g_ref[...], k_ref, g_ref, 0, x.shape[0],
+                          d_pairs)
+  k = k_ref[...].astype(jnp.float32)
+  pairs = mm(x, k, trans_b=True) * decay
+  if d_pairs is None:
+    return pairs, None, None
+  d_pairs = d_pairs * decay
+  return pairs, mm(d_pairs, k), mm(d_pairs.T, x)
+
+
+def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
+                     fp32_exact: bool):
+  """Gradients of one chunk of one head, in float32.
 
   Recomputes the chunk's T, W and values U = U~ - W S0 from its entering
   state, then runs the forward's products backwards: dU = scale P^T dO +
   K' dS; through U = T (beta V) - T (beta K 2^g) S0 to dV, dbeta, dK and dT;
   dL = -T^T dT T^T on the strictly lower part; through L = beta (K K^T *
   decay) to dbeta and dK. dG, the gradient of the chunk-cumulative log
-  decay, sums x . dx over every factor 2^(+-g) met (row sides +, column
-  sides -), plus the chunk-end decay's terms on the last row.
+  decay, sums x * dx over every factor 2^(+-g) met (row sides +, column
+  sides -), plus the chunk-end decay's terms on the last row; summed over
+  features for a scalar decay.
   """
   q_ref, k_ref, v_ref, beta_ref, *refs = refs
-  g_ref = refs.pop(0) if has_decay else None
+  g_ref = refs.pop(0) if decay_kind != "none" else None
   (state_ref, d_state_ref, do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref,
    *dg_ref) = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
@@ -113,19 +130,24 @@ def _dense_gradient_kernel(*refs, chunk: int, scale: float, has_decay: bool,
       r[...].astype(jnp.float32)
       for r in (q_ref, k_ref, v_ref, do_ref, state_ref, d_state_ref))
   beta = beta_ref[...].astype(jnp.float32)[:, None]
-  decay, g, g_to_end = dense_decay(g_ref, chunk)
-  key_products = mm(k, k, trans_b=True) * decay
+  vector = decay_kind == "vector"
+  if vector:
+    decay, g = None, g_ref[...]
+    g_to_end = g_ref[chunk - 1, :][None, :] - g
+  else:
+    decay, g, g_to_end = dense_decay(g_ref, chunk)
+  pairs = functools.partial(_decayed_pairs, k_ref=k_ref, g_ref=g_ref,
+                            decay=decay, vector=vector, mm=mm)
+  key_products, _, _ = pairs(k)
   transform = wy_transform(key_products, beta)
   keys_decayed = scale_rows(k, g)
   keys_to_end = scale_rows(k, g_to_end)
-  w = mm(transform, beta * keys_decayed)
-  values = mm(transform, beta * v) - mm(w, state)
-  scores = mm(q, k, trans_b=True) * decay
+  values = mm(transform, beta * v) - mm(
+      mm(transform, beta * keys_decayed), state)
+  scores, _, _ = pairs(q)
   d_values = scale * mm(scores.T, do) + mm(keys_to_end, d_state)
-  d_scores = scale * mm(do, values, trans_b=True) * decay
-  dq = mm(d_scores, k) + scale * scale_rows(
-      mm(do, state, trans_b=True), g)
-  dk_scores = mm(d_scores.T, q)
+  _, dq, dk_scores = pairs(q, d_pairs=scale * mm(do, values, trans_b=True))
+  dq += scale * scale_rows(mm(do, state, trans_b=True), g)
   dk_state = scale_rows(mm(values, d_state, trans_b=True), g_to_end)
   d_w = -mm(d_values, state, trans_b=True)
   from_values = mm(transform.T, d_values)
@@ -134,53 +156,56 @@ def _dense_gradient_kernel(*refs, chunk: int, scale: float, has_decay: bool,
                  + mm(d_w, beta * keys_decayed, trans_b=True))
   d_lower = jnp.where(strictly_lower(chunk), -mm(
       mm(transform.T, d_transform), transform, trans_b=True), 0.0)
-  d_products = beta * d_lower * decay
+  _, dk_rows, dk_cols = pairs(k, d_pairs=beta * d_lower)
   dk_w = beta * scale_rows(from_w, g)
-  dk_rows, dk_cols = mm(d_products, k), mm(d_products.T, k)
   dq_ref[...] = dq
   dk_ref[...] = dk_scores + dk_state + dk_w + dk_rows + dk_cols
   dv_ref[...] = (beta * from_values).astype(dv_ref.dtype)
   dbeta_ref[...] = (jnp.sum(v * from_values, axis=1)
                     + jnp.sum(keys_decayed * from_w, axis=1)
                     + jnp.sum(d_lower * key_products, axis=1))
-  if has_decay:
-    d_g = (jnp.sum(q * dq, axis=1)
-           + jnp.sum(k * (dk_rows - dk_cols + dk_w - dk_scores - dk_state),
-                     axis=1))
-    d_g_last = (jnp.sum(k * dk_state)
-                + jnp.exp2(g_ref[chunk - 1]) * jnp.sum(state * d_state))
-    last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
-    dg_ref[0][...] = d_g + jnp.where(last, d_g_last, 0.0)
+  if g_ref is None:
+    return
+  d_g = q * dq + k * (dk_rows - dk_cols + dk_w - dk_scores - dk_state)
+  # The chunk end's decay: of every key (K') and of the entering state.
+  d_g_last = (jnp.sum(k * dk_state, axis=0, keepdims=True)
+              + scale_rows(jnp.sum(state * d_state, axis=1)[None, :],
+                           g_ref[chunk - 1, :][None, :] if vector else
+                           g_ref[chunk - 1]))
+  if not vector:
+    d_g, d_g_last = jnp.sum(d_g, axis=1), jnp.sum(d_g_last)
+  last = lax.broadcasted_iota(jnp.int32, d_g.shape, 0) == chunk - 1
+  dg_ref[0][...] = d_g + jnp.where(last, d_g_last, 0.0)
 
 
-def _fused_chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving,
-                       d_out, schedule: ChunkedSchedule):
-  """(dq, dk, dv, dbeta, d log_decay) of the "none"/"scalar" kinds from one
-  `_dense_gradient_kernel` program per chunk and head."""
+def _chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving, d_out,
+                 schedule: ChunkedSchedule):
+  """(dq, dk, dv, dbeta, d log_decay) from one `_gradient_kernel` program
+  per chunk and head; d_leaving [N, B, H, Dk, Dv]."""
   batch, seq_len, heads, d_feature = q.shape
   d_v, chunk = v.shape[-1], schedule.chunk_size
-  has_decay = log_decay is not None
+  decay_width = None if schedule.decay_kind != "vector" else d_feature
   rows = functools.partial(chunk_spec, chunk)
   state = pl.BlockSpec((None, None, None, d_feature, d_v),
                        lambda c, b, h: (b, h, c, 0, 0))
   in_specs = [rows(d_feature), rows(d_feature), rows(d_v), rows()]
   inputs = [q, k, v, beta]
-  if has_decay:
-    in_specs.append(rows())
+  if log_decay is not None:
+    in_specs.append(rows(decay_width))
     inputs.append(cumulative_log_decay(log_decay, schedule))
   in_specs += [state, state, rows(d_v)]
   inputs += [chunk_states, jnp.moveaxis(d_leaving, 0, 2), d_out]
-  per_token = jax.ShapeDtypeStruct(beta.shape, jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32),
                jax.ShapeDtypeStruct(k.shape, jnp.float32),
-               jax.ShapeDtypeStruct(v.shape, v.dtype), per_token]
+               jax.ShapeDtypeStruct(v.shape, v.dtype),
+               jax.ShapeDtypeStruct(beta.shape, jnp.float32)]
   out_specs = [rows(d_feature), rows(d_feature), rows(d_v), rows()]
-  if has_decay:
-    out_shape.append(per_token)
-    out_specs.append(rows())
+  if log_decay is not None:
+    out_shape.append(jax.ShapeDtypeStruct(log_decay.shape, jnp.float32))
+    out_specs.append(rows(decay_width))
   kernel = functools.partial(
-      _dense_gradient_kernel, chunk=chunk, scale=schedule.scale,
-      has_decay=has_decay, fp32_exact=q.dtype == jnp.float32)
+      _gradient_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
+      scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
   dq, dk, dv, d_beta, *d_g = backend.pallas_call(
       kernel, out_shape=out_shape, grid=(seq_len // chunk, batch, heads),
       in_specs=in_specs, out_specs=out_specs,
@@ -188,44 +213,26 @@ def _fused_chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving,
       interpret=schedule.interpret,
       name=f"delta_rule_bwd_{schedule.decay_kind}")(*inputs)
   d_log_decay = None
-  if has_decay:  # G_t sums the chunk's steps up to t; no gradient past the clamp
-    d_g = d_g[0].reshape(batch, seq_len // chunk, chunk, heads)
+  if log_decay is not None:  # G_t sums the chunk's steps up to t
+    d_g = d_g[0].reshape(batch, seq_len // chunk, chunk, *log_decay.shape[2:])
     d_steps = lax.cumsum(d_g, axis=2, reverse=True).reshape(log_decay.shape)
+    # No gradient past the clamp of the cumulative-decay kernel.
     d_log_decay = jnp.where(log_decay >= LOG_DECAY_FLOOR, d_steps, 0.0)
   return dq, dk, dv, d_beta, d_log_decay
-
-
-def _autodiff_chunk_grads(inputs, chunk_states, d_leaving, d_out_chunks,
-                          seq_len, scale):
-  """(dq, dk, dv, dbeta, d log_decay [B, S, H, 1 or Dk]) of every chunk at
-  once, by JAX autodiff of `reference.delta_rule_chunk` (the "vector"
-  kind, which has no fused gradient kernel yet)."""
-  entering = jnp.moveaxis(chunk_states, 2, 0).astype(jnp.float32)
-  _, pullback = jax.vjp(
-      lambda *inputs: delta_rule_chunk(entering, inputs, scale=scale),
-      *inputs)
-  d_q, d_k, d_v, d_beta, d_log_decay = (
-      from_chunks(d, seq_len) for d in pullback((d_leaving, d_out_chunks)))
-  return d_q, d_k, d_v, d_beta[..., 0], d_log_decay
 
 
 def _backward(schedule, residuals, cotangents):
   q, k, v, beta, log_decay, chunk_states, pseudo_keys = residuals
   d_out, d_final = cotangents
   batch, seq_len, heads = q.shape[:3]
-  chunk = schedule.chunk_size
-  inputs = tuple(to_chunks(x, chunk) for x in (q, k, v, beta[..., None]))
-  inputs += (chunk_step_log_decay(log_decay, batch, seq_len, heads, chunk),)
-  d_out_chunks = to_chunks(d_out, chunk)
+  chunks = functools.partial(to_chunks, chunk_size=schedule.chunk_size)
+  step_log_decay = chunk_step_log_decay(log_decay, batch, seq_len, heads,
+                                        schedule.chunk_size)
   d_leaving, d_initial = _leaving_state_cotangents(
-      inputs[0], inputs[1], jnp.maximum(inputs[4], LOG_DECAY_FLOOR),
-      to_chunks(pseudo_keys, chunk), d_out_chunks, d_final, schedule.scale)
-  if schedule.decay_kind == "vector":
-    grads = _autodiff_chunk_grads(inputs, chunk_states, d_leaving,
-                                  d_out_chunks, seq_len, schedule.scale)
-  else:
-    grads = _fused_chunk_grads(q, k, v, beta, log_decay, chunk_states,
-                               d_leaving, d_out, schedule)
+      chunks(q), chunks(k), jnp.maximum(step_log_decay, LOG_DECAY_FLOOR),
+      chunks(pseudo_keys), chunks(d_out), d_final, schedule.scale)
+  grads = _chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving,
+                       d_out, schedule)
   primals = (q, k, v, beta, log_decay)
   return tuple(None if x is None else d.reshape(x.shape).astype(x.dtype)
                for d, x in zip(grads, primals)) + (d_initial,)
