@@ -236,3 +236,22 @@ def test_gradients_match_scan(kind, interpret):
   for grad, want in zip(grads, expected):
     assert grad.shape == want.shape
     assert_close(grad, want, factor=10)
+
+
+def test_bfloat16_gradients():
+  """bf16 inputs: the gradient kernel computes in float32, the gradients
+  come back in the inputs' dtypes."""
+  q, k, v, beta, log_decay = _inputs("vector", jnp.bfloat16, seq_len=24)
+  beta = beta.astype(jnp.bfloat16)
+
+  def loss(attend, q, k, v, beta):
+    return jnp.sum(attend(q, k, v, beta).astype(jnp.float32) ** 2)
+
+  kernels = lambda *a: linear_attention(*a[:3], beta=a[3], log_decay=log_decay,
+                                        chunk_size=CHUNK)
+  scan = lambda *a: delta_rule_reference(*a, log_decay=log_decay)[0]
+  grads = jax.grad(loss, argnums=(1, 2, 3, 4))(kernels, q, k, v, beta)
+  expected = jax.grad(loss, argnums=(1, 2, 3, 4))(scan, q, k, v, beta)
+  for grad, want in zip(grads, expected):
+    assert grad.dtype == jnp.bfloat16
+    assert_close(grad, want, jnp.bfloat16, factor=3)
