@@ -48,9 +48,9 @@ q and k, beta = sigmoid(b) (values up to 2 are allowed)::
     o = linear_attention(q, k, v, beta=jax.nn.sigmoid(b), q_mod=l2, k_mod=l2,
                          log_decay=log_decay)  # [B, S, H], or [B, S, H, Dk]
 
-The delta rule's forward runs Pallas kernels; its backward is not yet fully
-fused: the per-chunk gradients are a Pallas kernel, but the reverse pass
-over chunks is a `lax.scan` (`pallas_attn.vjp.delta_rule_backward`).
+The delta rule's forward and backward are Pallas kernels (a UT transform
+per chunk, then the template's passes: `pallas_attn.kernels.linear.
+delta_rule`, `pallas_attn.vjp.delta_rule_backward`).
 
 Random-feature attention: `q_mod`/`k_mod` may change the feature width, e.g.
 `lambda x: jnp.concatenate([jnp.cos(x @ W), jnp.sin(x @ W)], -1)`.

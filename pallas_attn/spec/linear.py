@@ -28,7 +28,8 @@ DECAY_VECTOR = "vector"      # [B, S, H, Dk']: a gate per key feature (GLA)
 
 # How the state takes in a token, by whether `beta` is given.
 UPDATE_ADDITIVE = "additive"  # S_t = A_t S_{t-1} + k_t^T v_t
-UPDATE_DELTA = "delta"        # S_t = A_t S_{t-1} + beta_t k_t^T (v_t - k_t A_t S_{t-1})
+# The delta rule: S_t = A_t S_{t-1} + beta_t k_t^T (v_t - k_t A_t S_{t-1}).
+UPDATE_DELTA = "delta"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +226,8 @@ def _check_beta(name: str, beta, expected: tuple[int, ...], layout: str,
         "state does not carry (its update subtracts the state's own "
         "prediction), so phi(q_t) . z_t normalises nothing it computes. Drop "
         "normalize (the delta-rule models normalise q and k instead, e.g. "
-        "q_mod=k_mod=lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)).")
+        "q_mod=k_mod=lambda x: x / jnp.linalg.norm(x, axis=-1, "
+        "keepdims=True)).")
   if not hasattr(beta, "shape") or not hasattr(beta, "dtype"):
     raise TypeError(f"{name} must be an array {layout}, got "
                     f"{type(beta).__name__}.")

@@ -1,26 +1,28 @@
-"""The delta rule on padded inputs, and its `jax.custom_vjp`.
+"""Backward pass of the delta rule, and its `jax.custom_vjp`.
 
-The forward is the Pallas kernels of `kernels.linear.delta_rule`. The
-backward has two steps, the first one not yet a kernel:
+The forward is the Pallas kernels of `kernels.linear.delta_rule`; the
+backward is Pallas kernels too, in two steps:
 
-1. The cotangent of the state leaving every chunk, by a `lax.scan` from the
-   last chunk down (plain JAX). Per chunk (S0 the state entering it, U its
-   values U~ - W S0, P the decayed causal Q K^T, K' = K exp(g_last - g)),
-   with dS the cotangent of the state leaving it:
+1. The cotangent of the state leaving every chunk, from the last chunk
+   down: the template's reverse state pass in its delta form. Per chunk (S0
+   the state entering it, U its values U~ - W S0, P the decayed causal
+   Q K^T, K' = K exp(g_last - g)), with dS the cotangent of the state
+   leaving it:
 
        dU  = scale P^T dO + K' dS
        dS0 = exp(g_last) dS + scale (Q exp(g))^T dO - W^T dU
 
-   (W is the forward's, kept as a residual: the step is two small products).
+   scale P^T dO comes first, from a parallel pass over chunks; W is the
+   forward's, kept as a residual.
 2. Every chunk's gradients, all chunks in parallel, from its entering state
    (the forward's residual) and the cotangents of its outputs and leaving
    state: a chunk sees the decays of earlier ones only through its entering
-   state, so these local gradients are the whole gradients: one Pallas
-   program per chunk and head (`_gradient_kernel`), for all three decay
-   kinds (per-feature decays pair rows elementwise, as the template's
+   state, so these local gradients are the whole gradients. One program per
+   chunk and head (`_gradient_kernel`) for all three decay kinds
+   (per-feature decays pair rows elementwise, as the template's
    `diagonal_block` does).
 
-Correct in every input (q, k, v, beta, log_decay, initial state).
+Tested in interpret mode only: neither compiled for a GPU nor timed yet.
 """
 from __future__ import annotations
 
@@ -34,14 +36,9 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, ChunkedSchedule, cumulative_log_decay, dense_decay,
-    diagonal_block, scale_rows)
+    diagonal_block, scale_rows, state_pass)
 from pallas_attn.kernels.linear.delta_rule import (
     chunk_spec, delta_rule_forward, strictly_lower, wy_transform)
-from pallas_attn.kernels.linear.reference import (
-    chunk_step_log_decay, decayed_products, to_chunks)
-
-_HIGHEST = lax.Precision.HIGHEST
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
@@ -63,32 +60,6 @@ def _forward_with_residuals(q, k, v, beta, log_decay, initial_state,
   return (o, final_state), residuals
 
 
-def _leaving_state_cotangents(q, k, log_decay, pseudo_keys, d_out, d_final,
-                              scale):
-  """(dS leaving each chunk [N, B, H, Dk, Dv], d(initial state)); inputs in
-  chunk layout [N, B, H, C, D] (step 1 of the module docstring)."""
-  g = jnp.cumsum(log_decay, axis=-2)
-  g_last = g[..., -1:, :]
-  mm = functools.partial(jnp.einsum, precision=_HIGHEST)
-  d_local = scale * mm("...ij,...iv->...jv",
-                       decayed_products(q, k, g, strict=False), d_out)
-  d_from_out = scale * mm("...ck,...cv->...kv", q * jnp.exp(g), d_out)
-  keys_to_end = k * jnp.exp(g_last - g)
-  state_decay = jnp.swapaxes(jnp.exp(g_last), -1, -2)
-
-  def step(d_state, chunk):
-    d_local, d_from_out, keys_to_end, state_decay, pseudo_keys = chunk
-    d_values = d_local + mm("...ck,...kv->...cv", keys_to_end, d_state)
-    d_entering = (state_decay * d_state + d_from_out
-                  - mm("...ck,...cv->...kv", pseudo_keys, d_values))
-    return d_entering, d_state
-
-  d_initial, d_leaving = lax.scan(
-      step, d_final, (d_local, d_from_out, keys_to_end, state_decay,
-                      pseudo_keys), reverse=True)
-  return d_leaving, d_initial
-
-
 def _decayed_pairs(x, k_ref, g_ref, decay, *, vector: bool, mm,
                    d_pairs=None):
   """P_ij = sum_d x_id k_jd 2^(g_id - g_jd) for i >= j, else 0 ([C, C]),
@@ -106,6 +77,59 @@ def _decayed_pairs(x, k_ref, g_ref, decay, *, vector: bool, mm,
     return pairs, None, None
   d_pairs = d_pairs * decay
   return pairs, mm(d_pairs, k), mm(d_pairs.T, x)
+
+
+def _chunk_decays(g_ref, vector: bool, chunk: int):
+  """(`dense_decay`'s masked decay matrix, or None for per-feature decays;
+  the row log factors g; the log factors to the chunk end g_last - g)."""
+  if not vector:
+    return dense_decay(g_ref, chunk)
+  g = g_ref[...]
+  return None, g, g_ref[chunk - 1, :][None, :] - g
+
+
+def _local_value_cotangent_kernel(*refs, decay_kind: str, chunk: int,
+                                  scale: float, fp32_exact: bool):
+  """scale P^T dO of one chunk: what dU owes to the chunk's own outputs."""
+  q_ref, k_ref, *refs = refs
+  g_ref = refs.pop(0) if decay_kind != "none" else None
+  do_ref, out_ref = refs
+  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
+  vector = decay_kind == "vector"
+  decay, _, _ = _chunk_decays(g_ref, vector, chunk)
+  scores, _, _ = _decayed_pairs(q_ref[...].astype(jnp.float32), k_ref, g_ref,
+                                decay, vector=vector, mm=mm)
+  out_ref[...] = scale * mm(scores.T, do_ref[...].astype(jnp.float32))
+
+
+def _chunk_inputs(arrays, chunk: int):
+  """BlockSpecs (grid: chunk, batch, head) of whole chunks of [B, S, H]
+  and [B, S, H, D] arrays (None entries dropped) and the arrays."""
+  arrays = [x for x in arrays if x is not None]
+  return [chunk_spec(chunk, x.shape[3] if x.ndim == 4 else None)
+          for x in arrays], arrays
+
+
+def _leaving_state_cotangents(q, k, log_decay_cum, pseudo_keys, d_out,
+                              d_final, schedule: ChunkedSchedule):
+  """(dS leaving each chunk [B, H, N, Dk, Dv] in q's dtype, d(initial
+  state)): step 1 of the module docstring, as the template's reverse state
+  pass in its delta form."""
+  batch, seq_len, heads, _ = q.shape
+  chunk = schedule.chunk_size
+  in_specs, inputs = _chunk_inputs((q, k, log_decay_cum, d_out), chunk)
+  kernel = functools.partial(
+      _local_value_cotangent_kernel, decay_kind=schedule.decay_kind,
+      chunk=chunk, scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
+  local_d_values = backend.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(d_out.shape, jnp.float32),
+      grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
+      out_specs=in_specs[-1], num_warps=schedule.num_warps, num_stages=1,
+      interpret=schedule.interpret,
+      name=f"delta_rule_bwd_local_{schedule.decay_kind}")(*inputs)
+  return state_pass(q, d_out.astype(q.dtype), log_decay_cum, d_final,
+                    schedule, reverse=True, pseudo_keys=pseudo_keys,
+                    keys=k, local_d_values=local_d_values)
 
 
 def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
@@ -131,11 +155,7 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
       for r in (q_ref, k_ref, v_ref, do_ref, state_ref, d_state_ref))
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   vector = decay_kind == "vector"
-  if vector:
-    decay, g = None, g_ref[...]
-    g_to_end = g_ref[chunk - 1, :][None, :] - g
-  else:
-    decay, g, g_to_end = dense_decay(g_ref, chunk)
+  decay, g, g_to_end = _chunk_decays(g_ref, vector, chunk)
   pairs = functools.partial(_decayed_pairs, k_ref=k_ref, g_ref=g_ref,
                             decay=decay, vector=vector, mm=mm)
   key_products, _, _ = pairs(k)
@@ -178,31 +198,22 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   dg_ref[0][...] = d_g + jnp.where(last, d_g_last, 0.0)
 
 
-def _chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving, d_out,
-                 schedule: ChunkedSchedule):
+def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
+                 d_leaving, d_out, schedule: ChunkedSchedule):
   """(dq, dk, dv, dbeta, d log_decay) from one `_gradient_kernel` program
-  per chunk and head; d_leaving [N, B, H, Dk, Dv]."""
+  per chunk and head; d_leaving [B, H, N, Dk, Dv]."""
   batch, seq_len, heads, d_feature = q.shape
   d_v, chunk = v.shape[-1], schedule.chunk_size
-  decay_width = None if schedule.decay_kind != "vector" else d_feature
-  rows = functools.partial(chunk_spec, chunk)
+  in_specs, inputs = _chunk_inputs((q, k, v, beta, log_decay_cum), chunk)
+  out_specs = list(in_specs)
   state = pl.BlockSpec((None, None, None, d_feature, d_v),
                        lambda c, b, h: (b, h, c, 0, 0))
-  in_specs = [rows(d_feature), rows(d_feature), rows(d_v), rows()]
-  inputs = [q, k, v, beta]
-  if log_decay is not None:
-    in_specs.append(rows(decay_width))
-    inputs.append(cumulative_log_decay(log_decay, schedule))
-  in_specs += [state, state, rows(d_v)]
-  inputs += [chunk_states, jnp.moveaxis(d_leaving, 0, 2), d_out]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32),
-               jax.ShapeDtypeStruct(k.shape, jnp.float32),
-               jax.ShapeDtypeStruct(v.shape, v.dtype),
-               jax.ShapeDtypeStruct(beta.shape, jnp.float32)]
-  out_specs = [rows(d_feature), rows(d_feature), rows(d_v), rows()]
-  if log_decay is not None:
-    out_shape.append(jax.ShapeDtypeStruct(log_decay.shape, jnp.float32))
-    out_specs.append(rows(decay_width))
+  in_specs += [state, state, chunk_spec(chunk, d_v)]
+  inputs += [chunk_states, d_leaving, d_out]
+  # Gradients of q, k, v, beta (and of the cumulative log decay G).
+  out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
+               for x in inputs[:len(out_specs)]]
+  out_shape[2] = jax.ShapeDtypeStruct(v.shape, v.dtype)
   kernel = functools.partial(
       _gradient_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
       scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
@@ -224,15 +235,11 @@ def _chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving, d_out,
 def _backward(schedule, residuals, cotangents):
   q, k, v, beta, log_decay, chunk_states, pseudo_keys = residuals
   d_out, d_final = cotangents
-  batch, seq_len, heads = q.shape[:3]
-  chunks = functools.partial(to_chunks, chunk_size=schedule.chunk_size)
-  step_log_decay = chunk_step_log_decay(log_decay, batch, seq_len, heads,
-                                        schedule.chunk_size)
+  log_decay_cum = cumulative_log_decay(log_decay, schedule)
   d_leaving, d_initial = _leaving_state_cotangents(
-      chunks(q), chunks(k), jnp.maximum(step_log_decay, LOG_DECAY_FLOOR),
-      chunks(pseudo_keys), chunks(d_out), d_final, schedule.scale)
-  grads = _chunk_grads(q, k, v, beta, log_decay, chunk_states, d_leaving,
-                       d_out, schedule)
+      q, k, log_decay_cum, pseudo_keys, d_out, d_final, schedule)
+  grads = _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
+                       d_leaving, d_out, schedule)
   primals = (q, k, v, beta, log_decay)
   return tuple(None if x is None else d.reshape(x.shape).astype(x.dtype)
                for d, x in zip(grads, primals)) + (d_initial,)

@@ -301,14 +301,19 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
                   fp32_exact: bool):
   """Carries one [block_k, block_v] state tile through the chunks.
 
-  With `delta` (the delta rule) y holds the pseudo-values U~ and the
-  chunk's values are U~ - W S, S the entering state (all Dk rows of it),
-  stored to `values_ref`.
+  With `delta` (the delta rule; all Dk rows in the tile) forwards, y holds
+  the pseudo-values U~ and the chunk's values are U~ - W S, S the entering
+  state, stored to `values_ref`. In reverse the state is dS and the value
+  cotangents dU = dU_local + (K 2^(g_last - g)) dS feed back into it as
+  -W^T dU.
   """
   x_ref, y_ref, *refs = refs
   w_ref = refs.pop(0) if delta else None
+  keys_ref, local_ref = (refs.pop(0), refs.pop(0)) if delta and reverse else (
+      None, None)
   g_ref = refs.pop(0) if decay_kind != "none" else None
   initial_ref, states_ref, final_ref, *values_ref = refs
+  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
 
   def body(i, state):
     c = num_chunks - 1 - i if reverse else i
@@ -316,28 +321,35 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
     start = pl.multiple_of(c * chunk, chunk)
     rows, last = pl.ds(start, chunk), start + chunk - 1
     x, y = x_ref[rows, :], y_ref[rows, :]
-    if delta:
-      predicted = backend.dot(w_ref[rows, :], state.astype(w_ref.dtype),
-                              fp32_exact=fp32_exact)
-      y = (y.astype(jnp.float32) - predicted).astype(y_ref.dtype)
-      values_ref[0][rows, :] = y
+    g = g_last = None
     if decay_kind == "vector":  # g [C, block_k]; the state decays per row
       g, g_last = g_ref[rows, :], g_ref[last, :][None, :]
-      state = jnp.exp2(g_last).T * state
     elif decay_kind == "scalar":
       g, g_last = g_ref[rows][:, None], g_ref[last]
-      state = jnp.exp2(g_last) * state
-    if decay_kind != "none":
+    correction = 0.0
+    if delta and not reverse:
+      y = (y.astype(jnp.float32) - mm(w_ref[rows, :], state.astype(
+          w_ref.dtype))).astype(y_ref.dtype)
+      values_ref[0][rows, :] = y
+    elif delta:
+      keys = scale_rows(keys_ref[rows, :].astype(jnp.float32),
+                        None if g is None else g_last - g)
+      d_values = local_ref[rows, :].astype(jnp.float32) + mm(
+          keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
+      correction = mm(w_ref[rows, :].T, d_values.astype(w_ref.dtype))
+    if g is not None:
+      state = (jnp.exp2(g_last).T if decay_kind == "vector"
+               else jnp.exp2(g_last)) * state
       x = scale_rows(x, g if reverse else g_last - g).astype(x_ref.dtype)
-    contribution = backend.dot(x.T, y, fp32_exact=fp32_exact)
-    return state + factor * contribution
+    return state + factor * mm(x.T, y) - correction
 
   final_ref[...] = lax.fori_loop(0, num_chunks, body,
                                  initial_ref[...].astype(jnp.float32))
 
 
 def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
-               reverse: bool, pseudo_keys=None):
+               reverse: bool, pseudo_keys=None, keys=None,
+               local_d_values=None):
   """The sequential pass over chunks, forwards for S or in reverse for dS.
 
   Forwards (x = k, y = v): S <- exp(g_last) S + (x * exp(g_last - g))^T y,
@@ -356,7 +368,10 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   pseudo-values U~ (`delta_rule.ut_transform`): each chunk's values are
   then U~ - W S from the state S entering it, and are returned as a third
   output [B, S, H, Dv] in y's dtype. A program then holds all Dk rows of
-  its state tile (W S contracts over them).
+  its state tile (W S contracts over them). In reverse (x = q, y = dO) the
+  delta rule also needs `keys` (k) and `local_d_values` (scale P^T dO, P
+  the chunk's decayed causal Q K^T): the stored cotangents then include
+  what flows back through U = U~ - W S.
   """
   batch, seq_len, heads, d_feature = x.shape
   d_v = y.shape[-1]
@@ -373,9 +388,13 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
                    lambda b, h, i, j: (b, 0, h, j))]
   inputs = [x, y]
   if delta:
-    in_specs.append(pl.BlockSpec((None, seq_len, None, d_feature),
-                                 lambda b, h, i, j: (b, 0, h, 0)))
+    whole_rows = pl.BlockSpec((None, seq_len, None, d_feature),
+                              lambda b, h, i, j: (b, 0, h, 0))
+    in_specs.append(whole_rows)
     inputs.append(pseudo_keys)
+  if delta and reverse:
+    in_specs += [whole_rows, in_specs[1]]
+    inputs += [keys, local_d_values]
   if log_decay_cum is not None:
     if log_decay_cum.ndim == 3:
       in_specs.append(pl.BlockSpec((None, seq_len, None),
@@ -393,7 +412,7 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   out_specs = [pl.BlockSpec((None, None, num_chunks, block_k, block_v),
                             lambda b, h, i, j: (b, h, 0, i, j)),
                tile_spec]
-  if delta:
+  if delta and not reverse:
     out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
     out_specs.append(in_specs[1])
   kernel = functools.partial(
@@ -401,7 +420,7 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
       num_chunks=num_chunks, reverse=reverse,
       factor=schedule.scale if reverse else 1.0, delta=delta,
       fp32_exact=x.dtype == jnp.float32)
-  direction = "delta" if delta else "bwd" if reverse else "fwd"
+  direction = ("bwd" if reverse else "fwd") + ("_delta" if delta else "")
   grid = (batch, heads, d_feature // block_k, d_v // block_v)
   return backend.pallas_call(
       kernel, out_shape=out_shape, grid=grid,

@@ -183,7 +183,7 @@ def delta_rule_reference(q, k, v, beta, *, log_decay=None, q_mod=None,
   return jnp.moveaxis(o, 0, 1), state
 
 
-def decayed_products(x, k, g, *, strict: bool):
+def _decayed_products(x, k, g, *, strict: bool):
   """[..., C, C]: sum_d x_id k_jd exp(g_id - g_jd) for i > j (strict) or
   i >= j, else 0. g [..., C, 1 or Dk]; exp is only taken on the mask, where
   the exponent is <= 0."""
@@ -197,7 +197,7 @@ def decayed_products(x, k, g, *, strict: bool):
   return jnp.sum(x[..., :, None, :] * k[..., None, :, :] * decay, axis=-1)
 
 
-def to_chunks(x, chunk_size: int):
+def _to_chunks(x, chunk_size: int):
   """[B, S, H, D] -> float32 [N, B, H, C, D], zero padded to whole chunks."""
   batch, seq_len, heads = x.shape[:3]
   num_chunks = -(-seq_len // chunk_size)
@@ -207,37 +207,29 @@ def to_chunks(x, chunk_size: int):
   return jnp.transpose(x, (1, 0, 3, 2, 4))
 
 
-def from_chunks(x, seq_len: int):
+def _from_chunks(x, seq_len: int):
   """[N, B, H, C, D] -> [B, S, H, D], the padding dropped."""
   num_chunks, batch, heads, chunk_size = x.shape[:4]
   x = jnp.transpose(x, (1, 0, 3, 2, 4))
   return x.reshape(batch, num_chunks * chunk_size, heads, -1)[:, :seq_len]
 
 
-def chunk_step_log_decay(log_decay, batch: int, seq_len: int, heads: int,
-                         chunk_size: int):
-  """Step log decays (None, [H], [B, S, H] or [B, S, H, Dk]) in the layout
-  of `delta_rule_chunk`: [N, B, H, C, 1 or Dk]."""
-  return to_chunks(_expand_log_decay(log_decay, batch, seq_len, heads),
-                   chunk_size)
-
-
-def delta_rule_chunk(state, inputs, *, scale):
+def _delta_rule_chunk(state, inputs, *, scale):
   """One chunk of the delta rule in the WY form (see
-  `chunked_delta_rule_jnp`): (state leaving, o). state [..., Dk, Dv];
-  inputs q, k, v, beta, step log decays [..., C, D] (beta [..., C, 1], log
-  decays [..., C, 1 or Dk], clamped to `LOG_DECAY_FLOOR` here), any
-  leading axes (batch, heads, and chunks when run on all at once)."""
+  `chunked_delta_rule_jnp`): (state leaving, o). state [B, H, Dk, Dv];
+  inputs q, k, v, beta, step log decays [B, H, C, D] (beta [B, H, C, 1],
+  log decays [B, H, C, 1 or Dk], clamped to `LOG_DECAY_FLOOR` here)."""
   q, k, v, beta, log_decay = inputs
   g = jnp.cumsum(jnp.maximum(log_decay, LOG_DECAY_FLOOR), axis=-2)
   mm = functools.partial(jnp.einsum, precision=_HIGHEST)
-  transform = invert_unit_lower(beta * decayed_products(k, k, g, strict=True))
+  transform = invert_unit_lower(
+      beta * _decayed_products(k, k, g, strict=True))
   w = mm("...ij,...jd->...id", transform, beta * k * jnp.exp(g))
   u = mm("...ij,...jv->...iv", transform, beta * v)
   new_values = u - mm("...ck,...kv->...cv", w, state)
   o = scale * (mm("...ck,...kv->...cv", q * jnp.exp(g), state)
                + mm("...ij,...jv->...iv",
-                    decayed_products(q, k, g, strict=False), new_values))
+                    _decayed_products(q, k, g, strict=False), new_values))
   g_last = g[..., -1:, :]
   state = (jnp.swapaxes(jnp.exp(g_last), -1, -2) * state
            + mm("...ck,...cv->...kv", k * jnp.exp(g_last - g), new_values))
@@ -267,11 +259,11 @@ def chunked_delta_rule_jnp(q, k, v, beta, *, log_decay=None, scale=None,
   """
   batch, seq_len, heads, d_qk = q.shape
   scale = 1.0 / math.sqrt(d_qk) if scale is None else scale
-  inputs = tuple(to_chunks(x, chunk_size) for x in (q, k, v, beta[..., None]))
-  inputs += (chunk_step_log_decay(log_decay, batch, seq_len, heads,
-                                  chunk_size),)
+  log_decay = _expand_log_decay(log_decay, batch, seq_len, heads)
+  inputs = tuple(_to_chunks(x, chunk_size)
+                 for x in (q, k, v, beta[..., None], log_decay))
   if initial_state is None:
     initial_state = jnp.zeros((batch, heads, d_qk, v.shape[-1]))
-  step = jax.checkpoint(functools.partial(delta_rule_chunk, scale=scale))
+  step = jax.checkpoint(functools.partial(_delta_rule_chunk, scale=scale))
   final_state, o = lax.scan(step, initial_state.astype(jnp.float32), inputs)
-  return from_chunks(o, seq_len), final_state
+  return _from_chunks(o, seq_len), final_state
