@@ -77,13 +77,14 @@ def test_chunked_jnp_matches_scan(kind):
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_forward_matches_scan(kind, interpret):
+@pytest.mark.parametrize("kind, chunk", [(kind, CHUNK) for kind in KINDS]
+                         + [("vector", 2 * CHUNK)])  # row blocks of a chunk
+def test_forward_matches_scan(kind, chunk, interpret):
   q, k, v, beta, log_decay = _inputs(kind)
   initial = random((B, H, DK, DV), seed=9)
   o, state = linear_attention(
       q, k, v, beta=beta, log_decay=log_decay, initial_state=initial,
-      return_final_state=True, chunk_size=CHUNK, interpret=interpret)
+      return_final_state=True, chunk_size=chunk, interpret=interpret)
   o_ref, state_ref = delta_rule_reference(q, k, v, beta, log_decay=log_decay,
                                           initial_state=initial)
   assert_close(o, o_ref)
