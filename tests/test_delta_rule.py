@@ -177,6 +177,12 @@ def test_jit_closure_and_vmap():
   closed = jax.jit(lambda q: linear_attention(
       q, k, v, beta=beta, log_decay=log_decay, chunk_size=CHUNK))
   assert_close(closed(q), expected)
+  loss = lambda beta: jnp.sum(linear_attention(
+      q, k, v, beta=beta, log_decay=log_decay, chunk_size=CHUNK))
+  scan_loss = lambda beta: jnp.sum(
+      delta_rule_reference(q, k, v, beta, log_decay=log_decay)[0])
+  assert_close(jax.jit(jax.grad(loss))(beta), jax.grad(scan_loss)(beta),
+               factor=10)
   batched = jax.vmap(lambda q, k, v, beta, g: linear_attention(
       q[None], k[None], v[None], beta=beta[None], log_decay=g[None],
       chunk_size=CHUNK)[0])
