@@ -63,16 +63,17 @@ def make_inputs(batch, seq, heads, d_k, d_v, kind):
 
 
 def jax_call(attention, mode, inputs):
-  """A compiled zero-argument forward, or forward+backward of q, k, v, log_decay."""
-  q, k, v, g, d_out = inputs
+  """A compiled zero-argument forward, or forward+backward of every input but
+  the last (q, k, v, log_decay, ...; the last is d_out)."""
+  *args, d_out = inputs
   if mode == "fwd":
     fn = jax.jit(attention)
-    args = (q, k, v, g)
   else:
-    def fn(q, k, v, g, d_out):
-      out, vjp = jax.vjp(attention, q, k, v, g)
+    def fn(*args_and_d_out):
+      *args, d_out = args_and_d_out
+      out, vjp = jax.vjp(attention, *args)
       return vjp(d_out.astype(out.dtype))
-    fn, args = jax.jit(fn), (q, k, v, g, d_out)
+    fn, args = jax.jit(fn), (*args, d_out)
   jax.block_until_ready(fn(*args))
   return lambda: fn(*args)
 
@@ -100,6 +101,12 @@ def torch_call(kind, scale, mode, inputs, impl):
     leaves = [v / dt[..., None].to(v.dtype), dt, -torch.ones(q.shape[2], device="cuda"),
               k, q * (scale or q.shape[-1] ** -0.5)]
     forward = lambda x, dt, a, b, c: mamba_chunk_scan_combined(x, dt, a, b, c, chunk_size=256)
+  return torch_timed(torch, forward, leaves, d_out, mode)
+
+
+def torch_timed(torch, forward, leaves, d_out, mode):
+  """A warmed-up zero-argument call of `forward(*leaves)` (no grad), or of its
+  gradients with respect to every leaf given d_out."""
   if mode == "fwd":
     def call():
       with torch.no_grad():
@@ -121,15 +128,25 @@ def builders(name, shape, inputs, modes, impls, scan_backward):
           q, k, v, log_decay=g, scale=scale)[0],
       "scan": lambda q, k, v, g: linear_attention_reference(q, k, v, log_decay=g,
                                                             scale=scale)[0]}
+  return call_builders(
+      name, jax_fns, inputs, modes, impls, scan_backward,
+      lambda impl, mode: torch_call(kind, scale, mode, inputs, impl))
+
+
+def call_builders(name, jax_fns, jax_inputs, modes, impls, scan_backward,
+                  torch_build):
+  """{(case, impl, mode): build}: `jax_fns[impl]` on jax_inputs through
+  `jax_call`, other impls by `torch_build(impl, mode)`; the scan's backward
+  refused unless `scan_backward`."""
   found = {}
   for mode in modes:
     for impl in impls:
       if impl in jax_fns:
-        build = lambda fn=jax_fns[impl], mode=mode: jax_call(fn, mode, inputs)
+        build = lambda fn=jax_fns[impl], mode=mode: jax_call(fn, mode, jax_inputs)
         if impl == "scan" and mode == "fwd_bwd" and not scan_backward:
           build = _refuse("the scan's per-step state tape exceeds half the device's memory")
       else:
-        build = lambda impl=impl, mode=mode: torch_call(kind, scale, mode, inputs, impl)
+        build = lambda impl=impl, mode=mode: torch_build(impl, mode)
       found[name, impl, mode] = build
   return found
 
@@ -190,19 +207,31 @@ def memory_row(name, shape, inputs) -> Row:
     return Row(name, "ours", "fwd", None, measure="compiled_memory", note=bench.failure_note(e))
 
 
-def main(argv=None):
-  parser = harness.parser(__doc__.splitlines()[0])
-  parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
-  parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-  parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+def sweep_parser(doc, shapes, impls, seqs):
+  """The command line of a recurrence benchmark: S, shapes, impls, modes."""
+  parser = harness.parser(doc.splitlines()[0])
+  parser.add_argument("--seq", type=int, nargs="+", default=seqs)
+  parser.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
+  parser.add_argument("--impls", nargs="+", default=list(impls), choices=impls)
   parser.add_argument("--modes", nargs="+", default=list(bench.MODES), choices=bench.MODES)
   parser.add_argument("--no-scan", action="store_true", help="leave out the (slow) scan")
+  return parser
+
+
+def scan_backward_fits(batch, seq, heads, d_k, d_v) -> bool:
+  """Whether the scan's backward, a float32 state per step, fits in half the
+  device (unknown memory: assume it does)."""
+  device_bytes = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  return device_bytes is None or seq * batch * heads * d_k * d_v * 4 < 0.5 * device_bytes
+
+
+def main(argv=None):
+  parser = sweep_parser(__doc__, SHAPES, IMPLS, [4096, 8192, 16384])
   parser.add_argument("--passes", action="store_true", help="also time each of our passes")
   args = parser.parse_args(argv)
   shapes, batch, seqs = (SMALL, 1, [128]) if args.small else (SHAPES, 4, args.seq)
   impls = [i for i in args.impls if not (args.no_scan and i == "scan")]
   budget = harness.Budget(args.budget_s)
-  device_bytes = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   rows, ratios = [], []
   for shape_name in args.shapes:
     shape = shapes[shape_name]
@@ -210,9 +239,8 @@ def main(argv=None):
     for seq in sorted(seqs):
       name = f"{shape_name}_{bench.seq_name(seq)}"
       inputs = make_inputs(batch, seq, heads, d_k, d_v, kind)
-      tape = seq * batch * heads * d_k * d_v * 4  # the scan's backward keeps a state per step
       found = builders(name, shape, inputs, args.modes, impls,
-                       device_bytes is None or tape < 0.5 * device_bytes)
+                       scan_backward_fits(batch, seq, heads, d_k, d_v))
       if args.passes:
         found.update(pass_builders(name, shape, inputs))
       r, q = harness.measure_calls(found, rounds=args.rounds, budget=budget, heads_second=(),

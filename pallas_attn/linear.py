@@ -6,6 +6,12 @@ Mamba2's SSD. Per batch and head, with a state `S_t` of shape [Dk', Dv]:
     S_t = diag(exp(log_decay_t)) S_{t-1} + phi_k(k_t)^T v_t
     o_t = scale * phi_q(q_t) S_t                  (token t included)
 
+Given `beta` [B, S, H], the state takes tokens in by the delta rule instead
+(DeltaNet; Gated DeltaNet with a scalar decay, KDA with a per-feature one),
+with A_t = diag(exp(log_decay_t)):
+
+    S_t = A_t S_{t-1} + beta_t phi_k(k_t)^T (v_t - phi_k(k_t) A_t S_{t-1})
+
 `linear_attention` runs it over a whole sequence (chunk-parallel forward and
 backward kernels); `linear_attention_step` advances it by one token for
 decoding. Both are differentiable in every array argument, including
@@ -34,6 +40,17 @@ the normaliser `scale * phi(q_t) . z_t`, z_t = sum of phi(k_j)::
 
     phi = lambda x: jax.nn.elu(x) + 1
     o = linear_attention(q, k, v, q_mod=phi, k_mod=phi, normalize=True)
+
+Gated DeltaNet (Qwen3-Next's linear layers) and KDA (Kimi Linear), L2-normed
+q and k, beta = sigmoid(b) (values up to 2 are allowed)::
+
+    l2 = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    o = linear_attention(q, k, v, beta=jax.nn.sigmoid(b), q_mod=l2, k_mod=l2,
+                         log_decay=log_decay)  # [B, S, H], or [B, S, H, Dk]
+
+The delta rule's forward and backward are Pallas kernels (a UT transform
+per chunk, then the template's passes: `pallas_attn.kernels.linear.
+delta_rule`, `pallas_attn.vjp.delta_rule_backward`).
 
 Random-feature attention: `q_mod`/`k_mod` may change the feature width, e.g.
 `lambda x: jnp.concatenate([jnp.cos(x @ W), jnp.sin(x @ W)], -1)`.
@@ -74,6 +91,7 @@ from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
 from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec import linear as spec_lib
+from pallas_attn.vjp.delta_rule_backward import chunked_delta_rule
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
 
 FeatureMap = Callable[[jax.Array], jax.Array]
@@ -102,7 +120,7 @@ def _kernel_decay_kind(kind: str) -> str:
   return "scalar" if kind == spec_lib.DECAY_PER_HEAD else kind
 
 
-def linear_attention(q, k, v, *, log_decay=None,
+def linear_attention(q, k, v, *, log_decay=None, beta=None,
                      q_mod: FeatureMap | None = None,
                      k_mod: FeatureMap | None = None, normalize: bool = False,
                      scale: float | None = None, initial_state=None,
@@ -117,6 +135,8 @@ def linear_attention(q, k, v, *, log_decay=None,
       dtype). S need not be a multiple of the chunk.
     log_decay: None (no decay), [H] (constant per head), [B, S, H] (a scalar
       per step and head) or [B, S, H, Dk'] (a gate per key feature); <= 0.
+    beta: None, or [B, S, H] writing strengths: the state then follows the
+      delta rule (see the module docstring). Not with `normalize`.
     q_mod, k_mod: row-wise feature maps [..., Dk] -> [..., Dk'] written in
       plain JAX (identity when None); their gradients come from JAX autodiff.
     normalize: divide by `scale * phi(q_t) . z_t`, z_t the decayed sum of
@@ -136,7 +156,8 @@ def linear_attention(q, k, v, *, log_decay=None,
   """
   spec = spec_lib.check_linear_attention(
       q, k, v, log_decay=log_decay, q_mod=q_mod, k_mod=k_mod,
-      normalize=normalize, scale=scale, initial_state=initial_state)
+      normalize=normalize, scale=scale, initial_state=initial_state,
+      beta=beta)
   spec_lib.check_linear_config(chunk_size, config)
   q_features, k_features = _features(q_mod, q), _features(k_mod, k)
   values = v
@@ -164,14 +185,20 @@ def linear_attention(q, k, v, *, log_decay=None,
       num_stages=config.num_stages,
       interpret=backend.resolve_interpret(interpret),
       out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name)
+  padded_inputs = (
+      _pad_to(q_features, padded + (d_feature,)),
+      _pad_to(k_features, padded + (d_feature,)),
+      _pad_to(values, padded + (d_values,)))
+  padded_state = _pad_to(initial_state.astype(jnp.float32),
+                         (spec.batch, spec.heads, d_feature, d_values))
   with backend.triton_deprecation_ignored():
-    o, final_state = chunked_linear_attention(
-        _pad_to(q_features, padded + (d_feature,)),
-        _pad_to(k_features, padded + (d_feature,)),
-        _pad_to(values, padded + (d_values,)), kernel_log_decay,
-        _pad_to(initial_state.astype(jnp.float32),
-                (spec.batch, spec.heads, d_feature, d_values)),
-        schedule)
+    if spec.state_update == spec_lib.UPDATE_DELTA:  # padded steps write 0
+      o, final_state = chunked_delta_rule(
+          *padded_inputs, _pad_to(beta, padded), kernel_log_decay,
+          padded_state, schedule)
+    else:
+      o, final_state = chunked_linear_attention(
+          *padded_inputs, kernel_log_decay, padded_state, schedule)
   o = o[:, :spec.seq_len, :, :values.shape[-1]]
   final_state = final_state[:, :, :spec.d_feature, :values.shape[-1]]
   if spec.normalize:
@@ -191,7 +218,7 @@ def _step_decay(log_decay_t, kind: str):
 
 
 def linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t=None,
-                          q_mod: FeatureMap | None = None,
+                          beta_t=None, q_mod: FeatureMap | None = None,
                           k_mod: FeatureMap | None = None,
                           normalize: bool = False, scale: float | None = None):
   """One decoding step of `linear_attention` (pure JAX, float32 state).
@@ -201,6 +228,8 @@ def linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t=None,
     state: [B, H, Dk', Dv] (Dv + 1 with normalize), e.g. the final state of
       `linear_attention(..., return_final_state=True)` over the prompt.
     log_decay_t: None, [H], [B, H] or [B, H, Dk'] for this step; <= 0.
+    beta_t: None, or [B, H]: this step's delta-rule writing strength (as
+      `beta` of `linear_attention`).
     q_mod, k_mod, normalize, scale: as in `linear_attention`.
 
   Returns:
@@ -208,7 +237,7 @@ def linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t=None,
   """
   spec = spec_lib.check_linear_attention_step(
       q_t, k_t, v_t, state, log_decay_t=log_decay_t, q_mod=q_mod,
-      k_mod=k_mod, normalize=normalize, scale=scale)
+      k_mod=k_mod, normalize=normalize, scale=scale, beta_t=beta_t)
   q_features = _features(q_mod, q_t).astype(jnp.float32)
   k_features = _features(k_mod, k_t).astype(jnp.float32)
   values = v_t.astype(jnp.float32)
@@ -217,6 +246,10 @@ def linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t=None,
   state = state.astype(jnp.float32)
   if log_decay_t is not None:
     state = _step_decay(log_decay_t, spec.decay_kind) * state
+  if beta_t is not None:  # the delta rule writes the prediction's error
+    predicted = jnp.einsum("bhk,bhkv->bhv", k_features, state,
+                           precision=jax.lax.Precision.HIGHEST)
+    values = beta_t.astype(jnp.float32)[..., None] * (values - predicted)
   state = state + k_features[..., :, None] * values[..., None, :]
   o_t = spec.scale * jnp.einsum("bhk,bhkv->bhv", q_features, state,
                                 precision=jax.lax.Precision.HIGHEST)

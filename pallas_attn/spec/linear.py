@@ -26,6 +26,11 @@ DECAY_PER_HEAD = "per_head"  # [H]: one constant per head (RetNet)
 DECAY_SCALAR = "scalar"      # [B, S, H]: a scalar per step and head (Mamba2)
 DECAY_VECTOR = "vector"      # [B, S, H, Dk']: a gate per key feature (GLA)
 
+# How the state takes in a token, by whether `beta` is given.
+UPDATE_ADDITIVE = "additive"  # S_t = A_t S_{t-1} + k_t^T v_t
+# The delta rule: S_t = A_t S_{t-1} + beta_t k_t^T (v_t - k_t A_t S_{t-1}).
+UPDATE_DELTA = "delta"
+
 
 @dataclasses.dataclass(frozen=True)
 class LinearAttentionSpec:
@@ -33,7 +38,8 @@ class LinearAttentionSpec:
 
   `d_feature` is Dk' (the width after the feature maps), which is also the
   row count of the state; with `normalize` the state carries the normalizer
-  as one extra value column.
+  as one extra value column. `state_update` is UPDATE_ADDITIVE or
+  UPDATE_DELTA (the delta rule, when `beta` is given).
   """
   batch: int
   seq_len: int
@@ -45,6 +51,7 @@ class LinearAttentionSpec:
   normalize: bool
   dtype: Any
   scale: float
+  state_update: str = UPDATE_ADDITIVE
 
   @property
   def state_shape(self) -> tuple[int, int, int, int]:
@@ -206,8 +213,37 @@ def _check_features(q, k, q_mod, k_mod) -> int:
   return dq
 
 
+def _check_beta(name: str, beta, expected: tuple[int, ...], layout: str,
+                normalize: bool) -> str:
+  """The state update a `beta` (None or an array of `expected` shape) asks
+  for, after checking it."""
+  if beta is None:
+    return UPDATE_ADDITIVE
+  if normalize:
+    raise ValueError(
+        f"normalize=True cannot be combined with {name} (the delta rule): the "
+        "normaliser z_t is the decayed sum of phi(k_j), which the delta rule's "
+        "state does not carry (its update subtracts the state's own "
+        "prediction), so phi(q_t) . z_t normalises nothing it computes. Drop "
+        "normalize (the delta-rule models normalise q and k instead, e.g. "
+        "q_mod=k_mod=lambda x: x / jnp.linalg.norm(x, axis=-1, "
+        "keepdims=True)).")
+  if not hasattr(beta, "shape") or not hasattr(beta, "dtype"):
+    raise TypeError(f"{name} must be an array {layout}, got "
+                    f"{type(beta).__name__}.")
+  if tuple(beta.shape) != expected:
+    raise ValueError(f"{name} has shape {tuple(beta.shape)}; expected "
+                     f"{layout}={expected} (one writing strength per token "
+                     "and head).")
+  if not jnp.issubdtype(beta.dtype, jnp.floating):
+    raise TypeError(f"{name} must be floating point (e.g. "
+                    f"jax.nn.sigmoid(logits)), got {beta.dtype}.")
+  return UPDATE_DELTA
+
+
 def check_linear_attention(q, k, v, *, log_decay, q_mod, k_mod, normalize,
-                           scale, initial_state) -> LinearAttentionSpec:
+                           scale, initial_state,
+                           beta=None) -> LinearAttentionSpec:
   """Validates a `linear_attention` call and describes it."""
   for name, x in (("q", q), ("k", k)):
     _check_array(name, x, 4, "[B, S, H, Dk]")
@@ -232,14 +268,17 @@ def check_linear_attention(q, k, v, *, log_decay, q_mod, k_mod, normalize,
       batch=batch, seq_len=seq_len, heads=heads, d_qk=d_qk,
       d_feature=d_feature, d_v=v.shape[-1], decay_kind=kind,
       normalize=bool(normalize), dtype=jnp.dtype(q.dtype),
-      scale=check_scale(scale, d_qk))
+      scale=check_scale(scale, d_qk),
+      state_update=_check_beta("beta", beta, (batch, seq_len, heads),
+                               "[B, S, H]", normalize))
   if initial_state is not None:
     _check_state("initial_state", initial_state, spec.state_shape, normalize)
   return spec
 
 
 def check_linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t, q_mod,
-                                k_mod, normalize, scale) -> LinearAttentionSpec:
+                                k_mod, normalize, scale,
+                                beta_t=None) -> LinearAttentionSpec:
   """Validates a `linear_attention_step` call (one token, [B, H, D] inputs)."""
   for name, x in (("q_t", q_t), ("k_t", k_t)):
     _check_array(name, x, 3, "[B, H, Dk]")
@@ -256,7 +295,9 @@ def check_linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t, q_mod,
   spec = LinearAttentionSpec(
       batch=batch, seq_len=1, heads=heads, d_qk=d_qk, d_feature=d_feature,
       d_v=v_t.shape[-1], decay_kind=kind, normalize=bool(normalize),
-      dtype=jnp.dtype(q_t.dtype), scale=check_scale(scale, d_qk))
+      dtype=jnp.dtype(q_t.dtype), scale=check_scale(scale, d_qk),
+      state_update=_check_beta("beta_t", beta_t, (batch, heads), "[B, H]",
+                               normalize))
   _check_state("state", state, spec.state_shape, normalize)
   return spec
 

@@ -39,10 +39,9 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, LinearTemplate, causal_from,
-    chunk_cumulative_log_decay, chunk_inputs, chunk_state_spec,
-    chunked_forward, dense_decay, diagonal_block, keys_to_anchor,
-    masked_rescale, row_block_offset, row_spec, scale_rows, sequence_spec,
-    state_pass)
+    chunk_inputs, chunk_state_spec, chunked_forward, cumulative_log_decay,
+    dense_decay, diagonal_block, keys_to_anchor, masked_rescale,
+    row_block_offset, row_spec, scale_rows, sequence_spec, state_pass)
 from pallas_attn.schedule.config import padded_head_dim
 from pallas_attn.schedule.template import ResourceUse, accumulator_registers, register
 
@@ -187,19 +186,13 @@ def chunked_linear_attention(q, k, v, log_decay, initial_state,
   Returns (o, final state).
   """
   o, final_state, _ = chunked_forward(
-      q, k, v, _cumulative(log_decay, schedule), initial_state, schedule)
+      q, k, v, cumulative_log_decay(log_decay, schedule), initial_state,
+      schedule)
   return o, final_state
 
 
-def _cumulative(log_decay, schedule: ChunkedSchedule):
-  if log_decay is None:
-    return None
-  return chunk_cumulative_log_decay(log_decay, schedule.chunk_size,
-                                    interpret=schedule.interpret)
-
-
 def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
-  log_decay_cum = _cumulative(log_decay, schedule)
+  log_decay_cum = cumulative_log_decay(log_decay, schedule)
   o, final_state, chunk_states = chunked_forward(
       q, k, v, log_decay_cum, initial_state, schedule)
   residuals = (q, k, v, log_decay, log_decay_cum, chunk_states, final_state)

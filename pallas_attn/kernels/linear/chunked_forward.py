@@ -264,9 +264,12 @@ def diagonal_block(q, g, k_ref, g_ref, start, num_keys, d_scores=None):
   return lax.fori_loop(0, num_keys, key_row, init)
 
 
-def state_tile(d_feature: int, d_v: int) -> tuple[int, int]:
+def state_tile(d_feature: int, d_v: int, *,
+               whole_rows: bool = False) -> tuple[int, int]:
   """(block_k, block_v) of the state pass: Dv columns first (up to 128),
-  then as many Dk rows as fit STATE_TILE.
+  then as many Dk rows as fit STATE_TILE; with `whole_rows` (the delta
+  rule contracts the state over Dk) all Dk rows and the Dv columns that
+  fit beside them (at least 16).
 
   Whole 128-wide Dv rows read each token's k row (and, for GLA, its decay
   row) once per Dk block instead of once per (Dk, Dv) tile; the pass is
@@ -274,6 +277,8 @@ def state_tile(d_feature: int, d_v: int) -> tuple[int, int]:
   0.24 -> 0.17 ms with 64 x 128 tiles; Mamba2, Dv 64, 0.33 -> 0.29 ms with
   128 x 64 ones, against 64 x 64).
   """
+  if whole_rows:
+    return d_feature, min(d_v, max(16, STATE_TILE // d_feature))
   block_v = min(d_v, 128)
   return min(d_feature, STATE_TILE // block_v), block_v
 
@@ -292,35 +297,59 @@ def state_pass_stages(num_programs: int) -> int:
 
 
 def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
-                  reverse: bool, factor: float, fp32_exact: bool):
-  """Carries one [block_k, block_v] state tile through the chunks."""
+                  reverse: bool, factor: float, delta: bool,
+                  fp32_exact: bool):
+  """Carries one [block_k, block_v] state tile through the chunks.
+
+  With `delta` (the delta rule; all Dk rows in the tile) forwards, y holds
+  the pseudo-values U~ and the chunk's values are U~ - W S, S the entering
+  state, stored to `values_ref`. In reverse the state is dS and the value
+  cotangents dU = dU_local + (K 2^(g_last - g)) dS feed back into it as
+  -W^T dU.
+  """
   x_ref, y_ref, *refs = refs
+  w_ref = refs.pop(0) if delta else None
+  keys_ref, local_ref = (refs.pop(0), refs.pop(0)) if delta and reverse else (
+      None, None)
   g_ref = refs.pop(0) if decay_kind != "none" else None
-  initial_ref, states_ref, final_ref = refs
+  initial_ref, states_ref, final_ref, *values_ref = refs
+  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
 
   def body(i, state):
     c = num_chunks - 1 - i if reverse else i
     states_ref[c, :, :] = state.astype(states_ref.dtype)
     start = pl.multiple_of(c * chunk, chunk)
     rows, last = pl.ds(start, chunk), start + chunk - 1
-    x = x_ref[rows, :]
+    x, y = x_ref[rows, :], y_ref[rows, :]
+    g = g_last = None
     if decay_kind == "vector":  # g [C, block_k]; the state decays per row
       g, g_last = g_ref[rows, :], g_ref[last, :][None, :]
-      state = jnp.exp2(g_last).T * state
     elif decay_kind == "scalar":
       g, g_last = g_ref[rows][:, None], g_ref[last]
-      state = jnp.exp2(g_last) * state
-    if decay_kind != "none":
+    correction = 0.0
+    if delta and not reverse:
+      y = (y.astype(jnp.float32) - mm(w_ref[rows, :], state.astype(
+          w_ref.dtype))).astype(y_ref.dtype)
+      values_ref[0][rows, :] = y
+    elif delta:
+      keys = scale_rows(keys_ref[rows, :].astype(jnp.float32),
+                        None if g is None else g_last - g)
+      d_values = local_ref[rows, :].astype(jnp.float32) + mm(
+          keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
+      correction = mm(w_ref[rows, :].T, d_values.astype(w_ref.dtype))
+    if g is not None:
+      state = (jnp.exp2(g_last).T if decay_kind == "vector"
+               else jnp.exp2(g_last)) * state
       x = scale_rows(x, g if reverse else g_last - g).astype(x_ref.dtype)
-    contribution = backend.dot(x.T, y_ref[rows, :], fp32_exact=fp32_exact)
-    return state + factor * contribution
+    return state + factor * mm(x.T, y) - correction
 
   final_ref[...] = lax.fori_loop(0, num_chunks, body,
                                  initial_ref[...].astype(jnp.float32))
 
 
 def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
-               reverse: bool):
+               reverse: bool, pseudo_keys=None, keys=None,
+               local_d_values=None):
   """The sequential pass over chunks, forwards for S or in reverse for dS.
 
   Forwards (x = k, y = v): S <- exp(g_last) S + (x * exp(g_last - g))^T y,
@@ -334,12 +363,22 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   float32 (the first state, or dS after the last chunk). Returns (per-chunk
   states [B, H, S / C, Dk, Dv] in x's dtype, the last carry [B, H, Dk, Dv]
   float32).
+
+  pseudo_keys: the delta rule's W [B, S, H, Dk] (forwards only), y its
+  pseudo-values U~ (`delta_rule.ut_transform`): each chunk's values are
+  then U~ - W S from the state S entering it, and are returned as a third
+  output [B, S, H, Dv] in y's dtype. A program then holds all Dk rows of
+  its state tile (W S contracts over them). In reverse (x = q, y = dO) the
+  delta rule also needs `keys` (k) and `local_d_values` (scale P^T dO, P
+  the chunk's decayed causal Q K^T): the stored cotangents then include
+  what flows back through U = U~ - W S.
   """
   batch, seq_len, heads, d_feature = x.shape
   d_v = y.shape[-1]
   chunk = schedule.chunk_size
   num_chunks = seq_len // chunk
-  block_k, block_v = state_tile(d_feature, d_v)
+  delta = pseudo_keys is not None
+  block_k, block_v = state_tile(d_feature, d_v, whole_rows=delta)
   tile_spec = pl.BlockSpec((None, None, block_k, block_v),
                            lambda b, h, i, j: (b, h, i, j))
   in_specs = [
@@ -348,6 +387,14 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
       pl.BlockSpec((None, seq_len, None, block_v),
                    lambda b, h, i, j: (b, 0, h, j))]
   inputs = [x, y]
+  if delta:
+    whole_rows = pl.BlockSpec((None, seq_len, None, d_feature),
+                              lambda b, h, i, j: (b, 0, h, 0))
+    in_specs.append(whole_rows)
+    inputs.append(pseudo_keys)
+  if delta and reverse:
+    in_specs += [whole_rows, in_specs[1]]
+    inputs += [keys, local_d_values]
   if log_decay_cum is not None:
     if log_decay_cum.ndim == 3:
       in_specs.append(pl.BlockSpec((None, seq_len, None),
@@ -365,12 +412,15 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   out_specs = [pl.BlockSpec((None, None, num_chunks, block_k, block_v),
                             lambda b, h, i, j: (b, h, 0, i, j)),
                tile_spec]
+  if delta and not reverse:
+    out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
+    out_specs.append(in_specs[1])
   kernel = functools.partial(
       _state_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
       num_chunks=num_chunks, reverse=reverse,
-      factor=schedule.scale if reverse else 1.0,
+      factor=schedule.scale if reverse else 1.0, delta=delta,
       fp32_exact=x.dtype == jnp.float32)
-  direction = "bwd" if reverse else "fwd"
+  direction = ("bwd" if reverse else "fwd") + ("_delta" if delta else "")
   grid = (batch, heads, d_feature // block_k, d_v // block_v)
   return backend.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
@@ -514,6 +564,39 @@ def _output_kernel(*refs, schedule: ChunkedSchedule, fp32_exact: bool):
          mm=functools.partial(backend.dot, fp32_exact=fp32_exact))
 
 
+def cumulative_log_decay(log_decay, schedule: ChunkedSchedule):
+  """The kernels' `g` of step log decays (None without decay)."""
+  if log_decay is None:
+    return None
+  return chunk_cumulative_log_decay(log_decay, schedule.chunk_size,
+                                    interpret=schedule.interpret)
+
+
+def output_pass(q, k, v, log_decay_cum, chunk_states,
+                schedule: ChunkedSchedule):
+  """o [B, S, H, Dv] from q, k, v and the states entering each chunk
+  [B, H, S / C, Dk, Dv], all chunks in parallel (shapes as in
+  `chunked_forward`)."""
+  batch, seq_len, heads, d_feature = q.shape
+  d_v = v.shape[-1]
+  block_v = schedule.block_v
+  in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
+  in_specs.append(chunk_state_spec(schedule, d_feature))
+  inputs.append(chunk_states)
+  kernel = functools.partial(_output_kernel, schedule=schedule,
+                             fp32_exact=q.dtype == jnp.float32)
+  return backend.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((batch, seq_len, heads, d_v),
+                                             jnp.dtype(schedule.out_dtype)),
+      grid=(d_v // block_v, seq_len // schedule.rows_per_program, batch,
+            heads),
+      in_specs=in_specs,
+      out_specs=row_spec(schedule, block_v, column_blocked=True),
+      num_warps=schedule.num_warps, num_stages=schedule.num_stages,
+      interpret=schedule.interpret,
+      name=f"linear_attention_fwd_{schedule.decay_kind}")(*inputs)
+
+
 def chunked_forward(q, k, v, log_decay_cum, initial_state,
                     schedule: ChunkedSchedule):
   """Runs the state pass and the output pass on padded inputs.
@@ -527,26 +610,9 @@ def chunked_forward(q, k, v, log_decay_cum, initial_state,
   entering each chunk [B, H, S / C, Dk, Dv] in q's dtype: the output pass
   reads it, and the backward keeps it as a residual).
   """
-  batch, seq_len, heads, d_feature = q.shape
-  d_v = v.shape[-1]
-  block_v = schedule.block_v
   chunk_states, final_state = state_pass(k, v, log_decay_cum, initial_state,
                                          schedule, reverse=False)
-  in_specs, inputs = chunk_inputs(q, k, v, log_decay_cum, schedule)
-  in_specs.append(chunk_state_spec(schedule, d_feature))
-  inputs.append(chunk_states)
-  kernel = functools.partial(_output_kernel, schedule=schedule,
-                             fp32_exact=q.dtype == jnp.float32)
-  o = backend.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((batch, seq_len, heads, d_v),
-                                             jnp.dtype(schedule.out_dtype)),
-      grid=(d_v // block_v, seq_len // schedule.rows_per_program, batch,
-            heads),
-      in_specs=in_specs,
-      out_specs=row_spec(schedule, block_v, column_blocked=True),
-      num_warps=schedule.num_warps, num_stages=schedule.num_stages,
-      interpret=schedule.interpret,
-      name=f"linear_attention_fwd_{schedule.decay_kind}")(*inputs)
+  o = output_pass(q, k, v, log_decay_cum, chunk_states, schedule)
   return o, final_state, chunk_states
 
 

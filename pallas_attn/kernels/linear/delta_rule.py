@@ -1,0 +1,123 @@
+"""The delta rule's chunked forward: the UT transform, then the chunked
+template's passes with the delta state update.
+
+Per chunk, with `g` the chunk-cumulative log decays (base 2, as the
+template's) and S the state entering it, the delta rule's pseudo-values
+U_t = beta_t (v_t - k_t A_t S_{t-1}) solve (I + L) U = beta (V - K2^g S),
+L_ij = beta_i sum_d k_id k_jd 2^(g_id - g_jd) for i > j, K2^g = K * 2^g
+(`reference.chunked_delta_rule_jnp` derives it). With T = (I + L)^-1:
+
+  W = T (beta K2^g),  U~ = T (beta V),  U = U~ - W S
+
+and the chunk is then ordinary decayed linear attention with values U. So:
+
+1. `ut_transform`, all chunks in parallel (one program per chunk and head):
+   L from the chunk's keys (a dense masked K K^T for the "none"/"scalar"
+   kinds, the template's elementwise `diagonal_block` for per-feature
+   decays), T by forward substitution (`triangular.invert_unit_lower`),
+   then W and U~ by two products.
+2. The template's sequential state pass in its delta form
+   (`state_pass(..., pseudo_keys=W)`): per chunk U = U~ - W S, stored, and
+   S <- 2^g_last S + (K 2^(g_last - g))^T U.
+3. The template's output pass, unchanged, with values U.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import backend
+from pallas_attn.kernels.linear.chunked_forward import (
+    ChunkedSchedule, cumulative_log_decay, dense_decay, diagonal_block,
+    output_pass, scale_rows, state_pass)
+from pallas_attn.kernels.linear.triangular import invert_unit_lower
+
+
+def strictly_lower(chunk: int):
+  """[C, C] mask of i > j: the pairs the delta rule's system couples."""
+  return (lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+          > lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1))
+
+
+def wy_transform(key_products, beta):
+  """T = (I + L)^-1 [C, C] float32, L = beta_i * key_products_ij below the
+  diagonal (key_products: the decayed K K^T; beta [C, 1])."""
+  chunk = key_products.shape[0]
+  return invert_unit_lower(
+      jnp.where(strictly_lower(chunk), beta * key_products, 0.0))
+
+
+def chunk_spec(chunk: int, width: int | None = None):
+  """One chunk of one head of a [B, S, H] or [B, S, H, width] array, for a
+  grid (chunk, batch, head)."""
+  if width is None:
+    return pl.BlockSpec((None, chunk, None), lambda c, b, h: (b, c, h))
+  return pl.BlockSpec((None, chunk, None, width),
+                      lambda c, b, h: (b, c, h, 0))
+
+
+def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
+                         fp32_exact: bool):
+  """W and U~ of one chunk of one head."""
+  k_ref, v_ref, beta_ref, *refs = refs
+  g_ref = refs.pop(0) if decay_kind != "none" else None
+  w_ref, u_ref = refs
+  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
+  k, dtype = k_ref[...], k_ref.dtype
+  beta = beta_ref[...].astype(jnp.float32)[:, None]
+  if decay_kind == "vector":  # exp(g_id - g_jd) stays inside the sum over d
+    g = g_ref[...]
+    products, _, _ = diagonal_block(k, g, k_ref, g_ref, 0, chunk)
+  else:
+    decay, g, _ = dense_decay(g_ref, chunk)
+    products = mm(k, k, trans_b=True) * decay
+  transform = wy_transform(products, beta).astype(dtype)
+  keys = beta * scale_rows(k.astype(jnp.float32), g)
+  w_ref[...] = mm(transform, keys.astype(dtype)).astype(w_ref.dtype)
+  values = beta * v_ref[...].astype(jnp.float32)
+  u_ref[...] = mm(transform, values.astype(dtype)).astype(u_ref.dtype)
+
+
+def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule):
+  """(W [B, S, H, Dk] in k's dtype, U~ [B, S, H, Dv] in v's dtype) of every
+  chunk. k: [B, S, H, Dk]; v: [B, S, H, Dv]; beta: [B, S, H];
+  log_decay_cum: None, [B, S, H] or [B, S, H, Dk] (base 2, cumulative)."""
+  batch, seq_len, heads, d_feature = k.shape
+  chunk = schedule.chunk_size
+  rows = functools.partial(chunk_spec, chunk)
+  in_specs = [rows(d_feature), rows(v.shape[-1]), rows()]
+  inputs = [k, v, beta]
+  if log_decay_cum is not None:
+    in_specs.append(rows(d_feature if log_decay_cum.ndim == 4 else None))
+    inputs.append(log_decay_cum)
+  kernel = functools.partial(
+      _ut_transform_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
+      fp32_exact=k.dtype == jnp.float32)
+  return backend.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                         jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
+      out_specs=[rows(d_feature), rows(v.shape[-1])],
+      num_warps=schedule.num_warps, num_stages=1,
+      interpret=schedule.interpret,
+      name=f"delta_rule_ut_transform_{schedule.decay_kind}")(*inputs)
+
+
+def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
+                       schedule: ChunkedSchedule):
+  """The delta rule on padded inputs (as `chunked_forward`; beta [B, S, H],
+  log_decay the *step* log decays or None). Returns (o, final state
+  [B, H, Dk, Dv] float32, and for the backward the states entering each
+  chunk [B, H, S / C, Dk, Dv] in k's dtype and W [B, S, H, Dk])."""
+  log_decay_cum = cumulative_log_decay(log_decay, schedule)
+  pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum,
+                                            schedule)
+  chunk_states, final_state, values = state_pass(
+      k, pseudo_values, log_decay_cum, initial_state, schedule,
+      reverse=False, pseudo_keys=pseudo_keys)
+  o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
+  return o, final_state, chunk_states, pseudo_keys

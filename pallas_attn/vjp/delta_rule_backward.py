@@ -1,0 +1,248 @@
+"""Backward pass of the delta rule, and its `jax.custom_vjp`.
+
+The forward is the Pallas kernels of `kernels.linear.delta_rule`; the
+backward is Pallas kernels too, in two steps:
+
+1. The cotangent of the state leaving every chunk, from the last chunk
+   down: the template's reverse state pass in its delta form. Per chunk (S0
+   the state entering it, U its values U~ - W S0, P the decayed causal
+   Q K^T, K' = K exp(g_last - g)), with dS the cotangent of the state
+   leaving it:
+
+       dU  = scale P^T dO + K' dS
+       dS0 = exp(g_last) dS + scale (Q exp(g))^T dO - W^T dU
+
+   scale P^T dO comes first, from a parallel pass over chunks; W is the
+   forward's, kept as a residual.
+2. Every chunk's gradients, all chunks in parallel, from its entering state
+   (the forward's residual) and the cotangents of its outputs and leaving
+   state: a chunk sees the decays of earlier ones only through its entering
+   state, so these local gradients are the whole gradients. One program per
+   chunk and head (`_gradient_kernel`) for all three decay kinds
+   (per-feature decays pair rows elementwise, as the template's
+   `diagonal_block` does).
+
+Tested in interpret mode only: neither compiled for a GPU nor timed yet.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import backend
+from pallas_attn.kernels.linear.chunked_forward import (
+    LOG_DECAY_FLOOR, ChunkedSchedule, cumulative_log_decay, dense_decay,
+    diagonal_block, scale_rows, state_pass)
+from pallas_attn.kernels.linear.delta_rule import (
+    chunk_spec, delta_rule_forward, strictly_lower, wy_transform)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
+                       schedule: ChunkedSchedule):
+  """The delta rule on padded inputs (S a multiple of the chunk), each
+  array differentiable. beta: [B, S, H] (zero on padded steps); log_decay:
+  None, [B, S, H] or [B, S, H, Dk] step log decays. Returns (o, final
+  state float32)."""
+  o, final_state, _, _ = delta_rule_forward(
+      q, k, v, beta, log_decay, initial_state, schedule)
+  return o, final_state
+
+
+def _forward_with_residuals(q, k, v, beta, log_decay, initial_state,
+                            schedule):
+  o, final_state, chunk_states, pseudo_keys = delta_rule_forward(
+      q, k, v, beta, log_decay, initial_state, schedule)
+  residuals = (q, k, v, beta, log_decay, chunk_states, pseudo_keys)
+  return (o, final_state), residuals
+
+
+def _decayed_pairs(x, k_ref, g_ref, decay, *, vector: bool, mm,
+                   d_pairs=None):
+  """P_ij = sum_d x_id k_jd 2^(g_id - g_jd) for i >= j, else 0 ([C, C]),
+  and given d_pairs (its cotangent) the gradients of x and k ([C, D]).
+
+  decay: `dense_decay`'s masked decay matrix ("none"/"scalar"); per-feature
+  decays run the template's elementwise `diagonal_block` instead.
+  """
+  if vector:
+    return diagonal_block(x, g_ref[...], k_ref, g_ref, 0, x.shape[0],
+                          d_pairs)
+  k = k_ref[...].astype(jnp.float32)
+  pairs = mm(x, k, trans_b=True) * decay
+  if d_pairs is None:
+    return pairs, None, None
+  d_pairs = d_pairs * decay
+  return pairs, mm(d_pairs, k), mm(d_pairs.T, x)
+
+
+def _chunk_decays(g_ref, vector: bool, chunk: int):
+  """(`dense_decay`'s masked decay matrix, or None for per-feature decays;
+  the row log factors g; the log factors to the chunk end g_last - g)."""
+  if not vector:
+    return dense_decay(g_ref, chunk)
+  g = g_ref[...]
+  return None, g, g_ref[chunk - 1, :][None, :] - g
+
+
+def _local_value_cotangent_kernel(*refs, decay_kind: str, chunk: int,
+                                  scale: float, fp32_exact: bool):
+  """scale P^T dO of one chunk: what dU owes to the chunk's own outputs."""
+  q_ref, k_ref, *refs = refs
+  g_ref = refs.pop(0) if decay_kind != "none" else None
+  do_ref, out_ref = refs
+  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
+  vector = decay_kind == "vector"
+  decay, _, _ = _chunk_decays(g_ref, vector, chunk)
+  scores, _, _ = _decayed_pairs(q_ref[...].astype(jnp.float32), k_ref, g_ref,
+                                decay, vector=vector, mm=mm)
+  out_ref[...] = scale * mm(scores.T, do_ref[...].astype(jnp.float32))
+
+
+def _chunk_inputs(arrays, chunk: int):
+  """BlockSpecs (grid: chunk, batch, head) of whole chunks of [B, S, H]
+  and [B, S, H, D] arrays (None entries dropped) and the arrays."""
+  arrays = [x for x in arrays if x is not None]
+  return [chunk_spec(chunk, x.shape[3] if x.ndim == 4 else None)
+          for x in arrays], arrays
+
+
+def _leaving_state_cotangents(q, k, log_decay_cum, pseudo_keys, d_out,
+                              d_final, schedule: ChunkedSchedule):
+  """(dS leaving each chunk [B, H, N, Dk, Dv] in q's dtype, d(initial
+  state)): step 1 of the module docstring, as the template's reverse state
+  pass in its delta form."""
+  batch, seq_len, heads, _ = q.shape
+  chunk = schedule.chunk_size
+  in_specs, inputs = _chunk_inputs((q, k, log_decay_cum, d_out), chunk)
+  kernel = functools.partial(
+      _local_value_cotangent_kernel, decay_kind=schedule.decay_kind,
+      chunk=chunk, scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
+  local_d_values = backend.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(d_out.shape, jnp.float32),
+      grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
+      out_specs=in_specs[-1], num_warps=schedule.num_warps, num_stages=1,
+      interpret=schedule.interpret,
+      name=f"delta_rule_bwd_local_{schedule.decay_kind}")(*inputs)
+  return state_pass(q, d_out.astype(q.dtype), log_decay_cum, d_final,
+                    schedule, reverse=True, pseudo_keys=pseudo_keys,
+                    keys=k, local_d_values=local_d_values)
+
+
+def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
+                     fp32_exact: bool):
+  """Gradients of one chunk of one head, in float32.
+
+  Recomputes the chunk's T, W and values U = U~ - W S0 from its entering
+  state, then runs the forward's products backwards: dU = scale P^T dO +
+  K' dS; through U = T (beta V) - T (beta K 2^g) S0 to dV, dbeta, dK and dT;
+  dL = -T^T dT T^T on the strictly lower part; through L = beta (K K^T *
+  decay) to dbeta and dK. dG, the gradient of the chunk-cumulative log
+  decay, sums x * dx over every factor 2^(+-g) met (row sides +, column
+  sides -), plus the chunk-end decay's terms on the last row; summed over
+  features for a scalar decay.
+  """
+  q_ref, k_ref, v_ref, beta_ref, *refs = refs
+  g_ref = refs.pop(0) if decay_kind != "none" else None
+  (state_ref, d_state_ref, do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref,
+   *dg_ref) = refs
+  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
+  q, k, v, do, state, d_state = (
+      r[...].astype(jnp.float32)
+      for r in (q_ref, k_ref, v_ref, do_ref, state_ref, d_state_ref))
+  beta = beta_ref[...].astype(jnp.float32)[:, None]
+  vector = decay_kind == "vector"
+  decay, g, g_to_end = _chunk_decays(g_ref, vector, chunk)
+  pairs = functools.partial(_decayed_pairs, k_ref=k_ref, g_ref=g_ref,
+                            decay=decay, vector=vector, mm=mm)
+  key_products, _, _ = pairs(k)
+  transform = wy_transform(key_products, beta)
+  keys_decayed = scale_rows(k, g)
+  keys_to_end = scale_rows(k, g_to_end)
+  values = mm(transform, beta * v) - mm(
+      mm(transform, beta * keys_decayed), state)
+  scores, _, _ = pairs(q)
+  d_values = scale * mm(scores.T, do) + mm(keys_to_end, d_state)
+  _, dq, dk_scores = pairs(q, d_pairs=scale * mm(do, values, trans_b=True))
+  dq += scale * scale_rows(mm(do, state, trans_b=True), g)
+  dk_state = scale_rows(mm(values, d_state, trans_b=True), g_to_end)
+  d_w = -mm(d_values, state, trans_b=True)
+  from_values = mm(transform.T, d_values)
+  from_w = mm(transform.T, d_w)
+  d_transform = (mm(d_values, beta * v, trans_b=True)
+                 + mm(d_w, beta * keys_decayed, trans_b=True))
+  d_lower = jnp.where(strictly_lower(chunk), -mm(
+      mm(transform.T, d_transform), transform, trans_b=True), 0.0)
+  _, dk_rows, dk_cols = pairs(k, d_pairs=beta * d_lower)
+  dk_w = beta * scale_rows(from_w, g)
+  dq_ref[...] = dq
+  dk_ref[...] = dk_scores + dk_state + dk_w + dk_rows + dk_cols
+  dv_ref[...] = (beta * from_values).astype(dv_ref.dtype)
+  dbeta_ref[...] = (jnp.sum(v * from_values, axis=1)
+                    + jnp.sum(keys_decayed * from_w, axis=1)
+                    + jnp.sum(d_lower * key_products, axis=1))
+  if g_ref is None:
+    return
+  d_g = q * dq + k * (dk_rows - dk_cols + dk_w - dk_scores - dk_state)
+  # The chunk end's decay: of every key (K') and of the entering state.
+  d_g_last = (jnp.sum(k * dk_state, axis=0, keepdims=True)
+              + scale_rows(jnp.sum(state * d_state, axis=1)[None, :],
+                           g_ref[chunk - 1, :][None, :] if vector else
+                           g_ref[chunk - 1]))
+  if not vector:
+    d_g, d_g_last = jnp.sum(d_g, axis=1), jnp.sum(d_g_last)
+  last = lax.broadcasted_iota(jnp.int32, d_g.shape, 0) == chunk - 1
+  dg_ref[0][...] = d_g + jnp.where(last, d_g_last, 0.0)
+
+
+def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
+                 d_leaving, d_out, schedule: ChunkedSchedule):
+  """(dq, dk, dv, dbeta, d log_decay) from one `_gradient_kernel` program
+  per chunk and head; d_leaving [B, H, N, Dk, Dv]."""
+  batch, seq_len, heads, d_feature = q.shape
+  d_v, chunk = v.shape[-1], schedule.chunk_size
+  in_specs, inputs = _chunk_inputs((q, k, v, beta, log_decay_cum), chunk)
+  out_specs = list(in_specs)
+  state = pl.BlockSpec((None, None, None, d_feature, d_v),
+                       lambda c, b, h: (b, h, c, 0, 0))
+  in_specs += [state, state, chunk_spec(chunk, d_v)]
+  inputs += [chunk_states, d_leaving, d_out]
+  # Gradients of q, k, v, beta (and of the cumulative log decay G).
+  out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
+               for x in inputs[:len(out_specs)]]
+  out_shape[2] = jax.ShapeDtypeStruct(v.shape, v.dtype)
+  kernel = functools.partial(
+      _gradient_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
+      scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
+  dq, dk, dv, d_beta, *d_g = backend.pallas_call(
+      kernel, out_shape=out_shape, grid=(seq_len // chunk, batch, heads),
+      in_specs=in_specs, out_specs=out_specs,
+      num_warps=schedule.num_warps, num_stages=1,
+      interpret=schedule.interpret,
+      name=f"delta_rule_bwd_{schedule.decay_kind}")(*inputs)
+  d_log_decay = None
+  if log_decay is not None:  # G_t sums the chunk's steps up to t
+    d_g = d_g[0].reshape(batch, seq_len // chunk, chunk, *log_decay.shape[2:])
+    d_steps = lax.cumsum(d_g, axis=2, reverse=True).reshape(log_decay.shape)
+    # No gradient past the clamp of the cumulative-decay kernel.
+    d_log_decay = jnp.where(log_decay >= LOG_DECAY_FLOOR, d_steps, 0.0)
+  return dq, dk, dv, d_beta, d_log_decay
+
+
+def _backward(schedule, residuals, cotangents):
+  q, k, v, beta, log_decay, chunk_states, pseudo_keys = residuals
+  d_out, d_final = cotangents
+  log_decay_cum = cumulative_log_decay(log_decay, schedule)
+  d_leaving, d_initial = _leaving_state_cotangents(
+      q, k, log_decay_cum, pseudo_keys, d_out, d_final, schedule)
+  grads = _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
+                       d_leaving, d_out, schedule)
+  primals = (q, k, v, beta, log_decay)
+  return tuple(None if x is None else d.reshape(x.shape).astype(x.dtype)
+               for d, x in zip(grads, primals)) + (d_initial,)
+
+
+chunked_delta_rule.defvjp(_forward_with_residuals, _backward)
