@@ -44,12 +44,15 @@ def _inputs(kind, dtype=jnp.float32, seq_len=S, seed=0):
   return q, k, v, beta, log_decay
 
 
-def test_invert_unit_lower_is_the_inverse():
-  a = jnp.tril(random((3, 8, 8), seed=0), -1)
-  inverse = invert_unit_lower(a)
-  product = jnp.einsum("bij,bjk->bik", jnp.eye(8) + a, inverse,
+@pytest.mark.parametrize("size, block", [(8, 16), (64, 16), (32, 4)])
+def test_invert_unit_lower_is_the_inverse(size, block):
+  """Elimination alone (a block wider than the matrix), and with two or
+  three levels of merges."""
+  a = jnp.tril(random((3, size, size), seed=0), -1) / 4
+  inverse = invert_unit_lower(a, block=block)
+  product = jnp.einsum("bij,bjk->bik", jnp.eye(size) + a, inverse,
                        precision="highest")
-  assert_close(product, jnp.broadcast_to(jnp.eye(8), (3, 8, 8)))
+  assert_close(product, jnp.broadcast_to(jnp.eye(size), (3, size, size)))
 
 
 def test_reference_is_the_delta_rule():
@@ -211,16 +214,18 @@ def test_bad_step_beta():
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("kind", KINDS + ["per_head"])
-def test_gradients_match_scan(kind, interpret):
+@pytest.mark.parametrize("kind, chunk", [(kind, CHUNK) for kind in KINDS + ["per_head"]]
+                         + [("scalar", 64), ("vector", 64)])  # merges in T
+def test_gradients_match_scan(kind, chunk, interpret):
   """d/d(q, k, v, beta, log_decay, initial state) of a random functional of
   o and the final state, against jax.grad of the scan reference."""
+  seq_len = 24 if chunk == CHUNK else 80
   q, k, v, beta, log_decay = _inputs("none" if kind == "per_head" else kind,
-                                     seq_len=24)
+                                     seq_len=seq_len)
   if kind == "per_head":
     log_decay = jnp.array([-0.2, -0.7])
   initial = random((B, H, DK, DV), seed=9)
-  o_weights = random((B, 24, H, DV), seed=10)
+  o_weights = random((B, seq_len, H, DV), seed=10)
   state_weights = random((B, H, DK, DV), seed=11)
 
   def loss(attend, *args):
@@ -230,7 +235,7 @@ def test_gradients_match_scan(kind, interpret):
   def kernels(q, k, v, beta, log_decay, initial):
     return linear_attention(
         q, k, v, beta=beta, log_decay=log_decay, initial_state=initial,
-        return_final_state=True, chunk_size=CHUNK, interpret=interpret)
+        return_final_state=True, chunk_size=chunk, interpret=interpret)
 
   def scan(q, k, v, beta, log_decay, initial):
     return delta_rule_reference(q, k, v, beta, log_decay=log_decay,
@@ -245,17 +250,20 @@ def test_gradients_match_scan(kind, interpret):
     assert_close(grad, want, factor=10)
 
 
-def test_bfloat16_gradients():
-  """bf16 inputs: the gradient kernel computes in float32, the gradients
-  come back in the inputs' dtypes."""
-  q, k, v, beta, log_decay = _inputs("vector", jnp.bfloat16, seq_len=24)
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("kind, chunk", [("vector", CHUNK), ("scalar", 64)])
+def test_bfloat16_gradients(kind, chunk, interpret):
+  """bf16 inputs: the gradient kernel's products take bf16 operands (as the
+  forward's), the gradients come back in the inputs' dtypes."""
+  q, k, v, beta, log_decay = _inputs(kind, jnp.bfloat16,
+                                     seq_len=24 if chunk == CHUNK else 80)
   beta = beta.astype(jnp.bfloat16)
 
   def loss(attend, q, k, v, beta):
     return jnp.sum(attend(q, k, v, beta).astype(jnp.float32) ** 2)
 
   kernels = lambda *a: linear_attention(*a[:3], beta=a[3], log_decay=log_decay,
-                                        chunk_size=CHUNK)
+                                        chunk_size=chunk, interpret=interpret)
   scan = lambda *a: delta_rule_reference(*a, log_decay=log_decay)[0]
   grads = jax.grad(loss, argnums=(1, 2, 3, 4))(kernels, q, k, v, beta)
   expected = jax.grad(loss, argnums=(1, 2, 3, 4))(scan, q, k, v, beta)

@@ -21,8 +21,6 @@ backward is Pallas kernels too, in two steps:
    chunk and head (`_gradient_kernel`) for all three decay kinds
    (per-feature decays pair rows elementwise, as the template's
    `diagonal_block` does).
-
-Tested in interpret mode only: neither compiled for a GPU nor timed yet.
 """
 from __future__ import annotations
 
@@ -39,6 +37,11 @@ from pallas_attn.kernels.linear.chunked_forward import (
     diagonal_block, scale_rows, state_pass)
 from pallas_attn.kernels.linear.delta_rule import (
     chunk_spec, delta_rule_forward, strictly_lower, wy_transform)
+
+# The gradient kernel holds a chunk's state and its cotangent ([Dk, Dv]
+# each) beside a dozen [C, D] float32 tiles: 8 warps spread them.
+GRADIENT_WARPS = 8
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
@@ -134,7 +137,8 @@ def _leaving_state_cotangents(q, k, log_decay_cum, pseudo_keys, d_out,
 
 def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
                      fp32_exact: bool):
-  """Gradients of one chunk of one head, in float32.
+  """Gradients of one chunk of one head: products with operands in the
+  inputs' dtype (as the forward's), accumulated and combined in float32.
 
   Recomputes the chunk's T, W and values U = U~ - W S0 from its entering
   state, then runs the forward's products backwards: dU = scale P^T dO +
@@ -149,10 +153,12 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   g_ref = refs.pop(0) if decay_kind != "none" else None
   (state_ref, d_state_ref, do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref,
    *dg_ref) = refs
-  mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
-  q, k, v, do, state, d_state = (
-      r[...].astype(jnp.float32)
-      for r in (q_ref, k_ref, v_ref, do_ref, state_ref, d_state_ref))
+  dtype = q_ref.dtype
+  mm = lambda a, b, **kw: backend.dot(  # operands in the inputs' dtype
+      a.astype(dtype), b.astype(dtype), fp32_exact=fp32_exact, **kw)
+  q, k, v, do = (r[...].astype(jnp.float32)
+                 for r in (q_ref, k_ref, v_ref, do_ref))
+  state, d_state = state_ref[...], d_state_ref[...]  # operands only
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   vector = decay_kind == "vector"
   decay, g, g_to_end = _chunk_decays(g_ref, vector, chunk)
@@ -189,7 +195,8 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   d_g = q * dq + k * (dk_rows - dk_cols + dk_w - dk_scores - dk_state)
   # The chunk end's decay: of every key (K') and of the entering state.
   d_g_last = (jnp.sum(k * dk_state, axis=0, keepdims=True)
-              + scale_rows(jnp.sum(state * d_state, axis=1)[None, :],
+              + scale_rows(jnp.sum(state.astype(jnp.float32)
+                                   * d_state.astype(jnp.float32), axis=1)[None, :],
                            g_ref[chunk - 1, :][None, :] if vector else
                            g_ref[chunk - 1]))
   if not vector:
@@ -220,7 +227,7 @@ def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
   dq, dk, dv, d_beta, *d_g = backend.pallas_call(
       kernel, out_shape=out_shape, grid=(seq_len // chunk, batch, heads),
       in_specs=in_specs, out_specs=out_specs,
-      num_warps=schedule.num_warps, num_stages=1,
+      num_warps=max(schedule.num_warps, GRADIENT_WARPS), num_stages=1,
       interpret=schedule.interpret,
       name=f"delta_rule_bwd_{schedule.decay_kind}")(*inputs)
   d_log_decay = None
