@@ -169,7 +169,11 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
   d_values = next_power_of_2(max(values.shape[-1], 16))
   decay_kind = _kernel_decay_kind(spec.decay_kind)
   if config is None:
-    config = templates.LINEAR_FORWARD.default_config(ProblemShape.from_shapes(
+    template = templates.LINEAR_FORWARD
+    if spec.state_update == spec_lib.UPDATE_DELTA:
+      template = (templates.DELTA_RULE_PER_FEATURE if decay_kind == spec_lib.DECAY_VECTOR
+                  else templates.DELTA_RULE)
+    config = template.default_config(ProblemShape.from_shapes(
         q_features.shape, k_features.shape, values.shape, q.dtype))
   chunk = chunk_size or config.chunk_size
   block_v = min(config.block_v, d_values)
