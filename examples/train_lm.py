@@ -119,7 +119,7 @@ def embed_tokens(tokens, table, dtype):
   """`table[tokens]` as a one-hot matmul. Its gradient is then a matmul too:
   the gather's is a scatter-add into the ~80 rows of a character vocabulary,
   whose colliding updates took 8.4 ms of a 28.5 ms step on an H100 (the
-  same in both models, profile_train_step in benchmarks/results/SUMMARY.md); as a
+  same in both models, profile_train_step in benchmarks/results/NOTES.md); as a
   matmul, 0.1 ms."""
   return jax.nn.one_hot(tokens, table.shape[0], dtype=dtype) @ table.astype(dtype)
 

@@ -4,7 +4,7 @@ ALiBi's `score + slope[h] * (kv_idx - q_idx)` has the form `score + E(q_idx,
 kv_idx)` with `E(q, kv) = R(q) + C(kv)` (b and h held fixed). Evaluated per
 position, E costs index tiles, a subtraction, a conversion and a multiply at
 every score: on an H100 the Mosaic forward ran ALiBi at 422 TFLOP/s against
-592 for causal attention (probe_score_cost in benchmarks/results/SUMMARY.md). For such a
+592 for causal attention (probe_score_cost in benchmarks/results/NOTES.md). For such a
 program a lowering may instead evaluate E on vectors: for any origin q0,
 
     E(q, kv) = [E(q, 0) - E(q0, 0)] + E(q0, kv),
