@@ -17,7 +17,8 @@ a forward?
   ids as a jit argument, so the mask is built in every call (target: at most
   10% over prebuilt); `built_in_jit_no_bounds` the same with every position
   evaluated (no tile bounds); `closed_over` closes over concrete ids (built
-  once, at trace time). By throughput and kernel time in alternating rounds.
+  once, at trace time, from tile bounds on the host). By throughput and
+  kernel time in alternating rounds.
 
 Writes `block_mask.json` to `--out`.
 """

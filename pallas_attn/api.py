@@ -179,11 +179,9 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
   """(forward, backward) block masks, or None without a mask_mod.
 
   The forward's is the caller's block mask (checked) or one built at cfg's
-  blocks; the backward's has bwd_cfg's blocks. Built ones are classified
-  once at the finer of the two tilings and coarsened (exactly) to each: now,
-  by a builder compiled once per mask and shape, where mask_mod's captured
-  arrays are concrete (none, or closed-over arrays: the masks are then
-  constants of the trace); inside the trace where they are traced.
+  blocks; the backward's has bwd_cfg's blocks. Built ones come from
+  `block_mask_cache.built_masks`: no kernel compiled or run while a
+  function is traced.
   """
   batch, seq_q, heads, _ = q.shape
   seq_kv = k.shape[1]
@@ -196,13 +194,9 @@ def _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret):
     _check_block_mask(block_mask, analysis.mask_mod, batch, heads, seq_q, seq_kv)
     masks = block_mask, _retiled(block_mask, *bwd_blocks)
   else:
-    mask = _mask_only(analysis)
-    consts = mask.mask_mod.traced.consts
     shape = (batch, heads, seq_q, seq_kv, ((cfg.block_q, cfg.block_k), bwd_blocks), interpret)
-    concrete = all(map(is_concrete, consts))
     with backend.triton_deprecation_ignored():
-      masks = (block_mask_cache.compiled_builder(mask, *shape)(consts) if concrete
-               else block_mask_lib.build_block_masks(mask, *shape))
+      masks = block_mask_cache.built_masks(_mask_only(analysis), *shape)
   # The kernels read the lists. Without the digest (checked), a passed mask
   # and a built one are pytrees of one structure, of [Bm, Hm, ...] leaves.
   return tuple(dataclasses.replace(m, digest=None) for m in masks)

@@ -229,6 +229,32 @@ def test_block_mask_inside_jit_with_traced_captures():
   assert_close(used(q, ids), pa.attention_reference(q, k, v, mask_mod=documents(ids)))
 
 
+def test_tracing_compiles_and_runs_no_block_mask_kernel(monkeypatch):
+  """Pure construction: while a function is traced, `block_mask` and `attention` run no
+  compiled builder and stage no classify kernel where mask_mod's arrays are concrete (none,
+  or closed over): the tile bounds classify the tiles on the host, the same classes as an
+  eager build. A mask the bounds cannot reach is built in the traced program instead."""
+  build = lambda: pa.block_mask(documents(DOCS), 2, 1, 45, 45, block_q=16, block_kv=16)
+  eager = build()  # outside any trace: by the compiled builder
+
+  def fail(*_, **__):
+    raise AssertionError("a compiled block-mask builder ran while tracing")
+  monkeypatch.setattr(block_mask_cache, "compiled_builder", fail)
+  for cache in ("_CLOSURES", "_TRACED"):  # nor one compiled earlier
+    monkeypatch.setattr(block_mask_cache, cache, {})
+  assert "pallas_attn_block_mask" not in str(jax.make_jaxpr(build)())
+  traced = jax.jit(build)()
+  for field in FIELDS + ["digest"]:
+    np.testing.assert_array_equal(getattr(traced, field), getattr(eager, field))
+  q, k, v = qkv(seq_q=45, seq_kv=45)
+  float_mask = lambda b, h, qi, ki: qi.astype(jnp.float32) * 0.5 >= ki.astype(jnp.float32) * 0.5
+  for mask_mod, staged in ((MASKS["causal"], False), (documents(DOCS), False),
+                           (float_mask, True)):
+    attend = lambda q: pa.attention(q, k, v, mask_mod=mask_mod, config=SMALL)
+    assert ("pallas_attn_block_mask" in str(jax.make_jaxpr(attend)(q))) == staged
+    assert_close(jax.jit(attend)(q), pa.attention_reference(q, k, v, mask_mod=mask_mod))
+
+
 def _expected(mask_mod, shape, block=16):
   batch, heads, seq_q, seq_kv = shape
   return dense_classes(np.asarray(dense_mask(mask_mod, batch, heads, seq_q, seq_kv)),

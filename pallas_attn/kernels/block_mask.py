@@ -10,10 +10,13 @@ ones that don't (forward and dq), and the transpose (dk/dv). Empty tiles
 are never visited. When mask_mod ignores b or h, that axis has size 1 and
 is broadcast.
 
-Masks are built eagerly (`block_mask`, and `attention` where mask_mod's
-captured arrays are concrete) by a compiled builder, cached per mask and
-shape (kernels/block_mask_cache.py), that takes the captured arrays as arguments; inside a trace where
-they are traced, in that trace. A mask records what it was built from
+Masks are built eagerly (`block_mask`, and eager `attention` calls, where
+mask_mod's captured arrays are concrete) by a compiled builder, cached per
+mask and shape (kernels/block_mask_cache.py), that takes the captured arrays
+as arguments. While a function is traced (`jax.jit`) nothing is compiled or
+run on a device: with concrete captures the bounds alone classify the tiles,
+on the host CPU (`build_bounded_masks`); otherwise the build is part of the
+traced program. A mask records what it was built from
 (mask_mod's program fingerprint, a digest of the captured values) for
 `attention` to check against the mask_mod it is passed with.
 """
@@ -364,19 +367,41 @@ def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, ti
                for bq, bk in tilings)
 
 
+def build_bounded_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv,
+                        tilings) -> tuple:
+  """`build_block_masks` from the tile bounds alone (`bound_classes`): plain
+  array operations, no kernel. Tiles the bounds and corners leave open count
+  as partial: exact for masks of comparisons of indices and captured ids,
+  where an open tile keeps some of its positions."""
+  consts = analysis.mask_mod.traced.consts
+  built_from = dict(program=program_fingerprint(analysis.mask_mod),
+                    digest=values_digest(consts) if consts else None)
+  masks = []
+  for block_q, block_k in tilings:
+    classes = bound_classes(analysis, batch, heads, seq_q, seq_kv, block_q, block_k)
+    classes = jnp.where(classes == UNDECIDED, PARTIAL, classes)
+    masks.append(from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q,
+                              seq_kv=seq_kv, **built_from))
+  return tuple(masks)
+
+
 def describe_build(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv) -> str:
   """One line on what `attention` pays to build the block mask of `analysis`
   when no block_mask is passed (`pallas-attn explain`)."""
-  if not analysis.mask_mod.traced.consts:
-    return ("block mask: a constant of the jitted call, built at trace time by a builder "
-            "compiled once per shape")
+  bounded = has_tile_bounds(analysis)
+  if not analysis.mask_mod.traced.consts and bounded:
+    return ("block mask: a constant of the jitted call, from bounds on mask_mod's values "
+            "per tile, on the host at trace time (no kernel)")
   deps = analysis.mask_deps
   sizes = (batch if "b" in deps else 1, heads if "h" in deps else 1, seq_q, seq_kv)
   where = ("the tiles that bounds on its values leave open (partial ones, for masks of "
            "comparisons and captured ids)" if has_tile_bounds(analysis) else
            "every tile (its values have no bounds: floats, bitwise ops or gathers)")
-  return ("block mask: a constant built at trace time where mask_mod's arrays are closed "
-          "over; where they are traced (jit arguments), rebuilt in each call: mask_mod "
+  constant = ("a constant from bounds on its values per tile, on the host at trace time (no "
+              "kernel), where mask_mod's arrays are closed over; where they are traced (jit "
+              "arguments)" if bounded else "built eagerly by a compiled builder in an eager "
+              "call; under jax.jit")
+  return (f"block mask: {constant}, rebuilt in each call: mask_mod "
           f"evaluated on {where}, of {' x '.join(map(str, sizes))} (b, h, q, kv) positions "
           f"(~{math.prod(sizes) / 1e6:.3g} M); build it once per batch with "
           "pallas_attn.block_mask(...) and pass block_mask= to avoid that (attention checks "

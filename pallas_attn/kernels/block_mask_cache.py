@@ -20,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_attn.kernels import backend
-from pallas_attn.kernels.block_mask import BlockMask, build_block_masks
+from pallas_attn.kernels.block_mask import (TILE_BOUNDS, BlockMask, build_block_masks,
+                                            build_bounded_masks)
 from pallas_attn.schedule.config import clamp_block, heuristic_config
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
-from pallas_attn.spec.trace import is_concrete
+from pallas_attn.spec.mask_bounds import has_tile_bounds
+from pallas_attn.spec.trace import is_concrete, staging
 
 _BUILDERS: dict = {}  # fingerprint, argument types, shapes -> compiled builder
 _TRACED: dict = {}    # block_mask's jaxpr text, shapes -> (compiled builder, capture positions)
@@ -53,8 +55,8 @@ def compiled_builder(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, til
   """`build_block_masks` of `analysis` as a compiled function of mask_mod's
   captured arrays (concrete), cached per fingerprint, argument types, shapes,
   tilings and interpret mode: new values of the same shapes reuse it, and no
-  value is baked in. A compiled executable runs at once, also when called
-  inside another trace, whose constants its masks then are.
+  value is baked in. A compiled executable runs at once when called, so it
+  is called only where operations run now (`built_masks`, `block_mask`).
   """
   consts = analysis.mask_mod.traced.consts
   key = (analysis.fingerprint(), _arg_types(consts), batch, heads, seq_q, seq_kv, tilings,
@@ -65,6 +67,46 @@ def compiled_builder(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, til
                                              seq_kv, tilings, interpret)
     _remember(_BUILDERS, key, jax.jit(build).lower(consts).compile())
   return _BUILDERS[key]
+
+
+HOST_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def host_builder(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, tilings):
+  """`build_bounded_masks` of `analysis` compiled for the host CPU as a
+  function of mask_mod's captured arrays (NumPy), cached as
+  `compiled_builder`'s: it runs at once, also inside a trace, and no device
+  kernel is compiled or run."""
+  consts = tuple(np.asarray(c) for c in analysis.mask_mod.traced.consts)
+  cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+  args = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=cpu) for c in consts)
+  key = ("host", analysis.fingerprint(), args, batch, heads, seq_q, seq_kv, tilings)
+  if key not in _BUILDERS:
+    program = _with_consts(analysis, ())
+    build = lambda consts: build_bounded_masks(_with_consts(program, consts), batch, heads,
+                                               seq_q, seq_kv, tilings)
+    _remember(_BUILDERS, key, jax.jit(build).lower(args).compile(HOST_COMPILER_OPTIONS))
+  return _BUILDERS[key], consts
+
+
+def built_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, tilings,
+                interpret) -> tuple:
+  """`build_block_masks` of `analysis`, compiling and running no device
+  kernel while a function is traced: where operations run now and
+  mask_mod's captured arrays are concrete, by its compiled builder; in a
+  trace with them concrete (closed over), from the tile bounds on the host
+  CPU (`host_builder`; the lists are NumPy constants of the trace); else,
+  and where no bound reaches mask_mod's result, in the traced program."""
+  consts = analysis.mask_mod.traced.consts
+  shape = (batch, heads, seq_q, seq_kv, tilings, interpret)
+  if not all(map(is_concrete, consts)):
+    return build_block_masks(analysis, *shape)
+  if not staging():
+    return compiled_builder(analysis, *shape)(consts)
+  if not (TILE_BOUNDS and has_tile_bounds(analysis)):
+    return build_block_masks(analysis, *shape)
+  build, host_consts = host_builder(analysis, *shape[:5])
+  return tuple(jax.tree.map(np.asarray, m) for m in build(host_consts))
 
 
 _MASK_ARGS = [jax.ShapeDtypeStruct((), jnp.int32)] * 4
@@ -322,13 +364,16 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   shapes (new document ids), run it without tracing mask_mod, where what
   mask_mod reads is plain (closures, globals and defaults of functions,
   arrays, numbers, containers; see `_Walk`); otherwise they trace it once.
-  Inside a jitted function whose arguments mask_mod captures, the mask is
-  built in that trace instead.
+  Inside a jitted function it compiles and runs no builder (`built_masks`):
+  from the tile bounds on the host where mask_mod's arrays are closed over,
+  else as part of the traced program.
 
   The mask records mask_mod's program and a digest of its captured values,
   which `attention` checks (see its `block_mask` argument); the digest is
   computed by the builder, on device, with no transfer.
   """
-  build, argument = _eager_builder(
-      mask_mod, _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret))
+  shape = _shape(batch, heads, seq_q, seq_kv, block_q, block_kv, interpret)
+  if staging():
+    return built_masks(analyze_variant(mask_mod=mask_mod), *shape)[0]
+  build, argument = _eager_builder(mask_mod, shape)
   return build(argument)[0]

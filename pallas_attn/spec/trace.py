@@ -239,3 +239,10 @@ def is_literal(v) -> bool:
 
 def is_concrete(x) -> bool:
   return not isinstance(x, jax_core.Tracer)
+
+
+def staging() -> bool:
+  """Whether operations called now are staged into a program being traced
+  (`jax.jit`, `jax.make_jaxpr`, a scan's body), not run: a new constant is
+  a tracer there. Eager `jax.grad` and `jax.vmap` run them at once."""
+  return not is_concrete(jnp.zeros((), jnp.int32))
