@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_attn as pa  # noqa: E402
-from pallas_attn import bench, templates  # noqa: E402
+from pallas_attn import _templates, bench  # noqa: E402
 from pallas_attn.api import resolve_config  # noqa: E402
 from pallas_attn.bench import Row  # noqa: E402
 from pallas_attn.kernels import block_mask as bm_lib  # noqa: E402
@@ -133,7 +133,7 @@ def forward_builders(seq, heads, d):
   q, k, v = inputs.q, inputs.k, inputs.v
   ids = bench.document_ids(1, seq)
   mask = document_mask(ids)
-  cfg = resolve_config(None, "config", templates.FORWARD[TRITON], pa.analyze_variant(mask_mod=mask),
+  cfg = resolve_config(None, "config", _templates.FORWARD[TRITON], pa.analyze_variant(mask_mod=mask),
                        q, k, v)
   prebuilt = pa.block_mask(mask, 1, heads, seq, seq, block_q=cfg.block_q, block_kv=cfg.block_k)
   in_jit = lambda q, k, v, ids: pa.attention(q, k, v, mask_mod=document_mask(ids))

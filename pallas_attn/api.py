@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import decode, inputs, templates
+from pallas_attn import _inputs, _templates, decode
 from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
@@ -128,7 +128,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   `core` being `_attention` or, where `allow_split_kv` and the schedule
   prefer it for a few queries, the split-KV template's forward in front of
   it. The ring steps of pallas_attn.distributed call it too."""
-  inputs.check_attention_inputs(q, k, v)
+  _inputs.check_attention_inputs(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   if partitioning.may_shard():
     # A shard's kernels number heads from 0 (distributed/offsets.py); the
@@ -137,9 +137,9 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   interpret = backend.resolve_interpret(interpret)
   lowering = lowering_lib.choose(implementation, analysis, q.dtype, q.shape[3], v.shape[3],
                                  interpret, config, bwd_config)
-  forward_template = templates.FORWARD[lowering.forward]
+  forward_template = _templates.FORWARD[lowering.forward]
   cfg = resolve_config(config, "config", forward_template, analysis, q, k, v)
-  bwd_cfg = resolve_config(bwd_config, "bwd_config", templates.BACKWARD[lowering.backward],
+  bwd_cfg = resolve_config(bwd_config, "bwd_config", _templates.BACKWARD[lowering.backward],
                            analysis, q, k, v)
   split_kv = None  # a few queries: the split-KV template (pallas_attn/decode.py)
   if (allow_split_kv and config in (None, "auto") and implementation is None
@@ -155,7 +155,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
     cfg = dataclasses.replace(cfg, block_q=fwd_mask.block_q, block_k=fwd_mask.block_k)
     forward_template.check(cfg)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
-  sinks = inputs.resolve_sinks(sinks, analysis, q.shape[2])
+  sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
                  for prog in (analysis.score_mod, analysis.mask_mod))
   call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,

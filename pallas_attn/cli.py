@@ -18,7 +18,7 @@ import pathlib
 import sys
 
 from pallas_attn import bench as bench_lib
-from pallas_attn import templates
+from pallas_attn import _templates
 from pallas_attn.schedule import cache as cache_lib
 from pallas_attn.schedule import template as template_lib
 from pallas_attn.schedule.search_space import format_config, search_space
@@ -113,9 +113,9 @@ def running_templates(analysis, shape: ProblemShape) -> list[str]:
   from pallas_attn.kernels import backend, lowering
   choice = lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                            backend.default_interpret())
-  forward = (templates.DECODE if decode.prefers_split_kv(shape.seq_q, shape.seq_kv)
-             else templates.FORWARD[choice.forward])
-  return [forward.name, templates.BACKWARD[choice.backward].name]
+  forward = (_templates.DECODE if decode.prefers_split_kv(shape.seq_q, shape.seq_kv)
+             else _templates.FORWARD[choice.forward])
+  return [forward.name, _templates.BACKWARD[choice.backward].name]
 
 
 def _progress(line: str) -> None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn import inputs, templates
+from pallas_attn import _inputs, _templates
 from pallas_attn.kernels import backend, decode_forward, tiles
 from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import MAX_DECODE_QUERIES, DecodeConfig, prefers_split_kv
@@ -95,7 +95,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
 
 
 def _validate(q, k, v, kv_lengths, k_name, v_name, paged=False):
-  inputs.check_qkv(q, k, v, k_name=k_name, v_name=v_name,
+  _inputs.check_qkv(q, k, v, k_name=k_name, v_name=v_name,
                 kv_layout="[num_pages, page_size, Hkv, D]" if paged else "[B, S, Hkv, D]")
   if k.shape[:3] != v.shape[:3]:
     raise ValueError(f"{k_name} {k.shape} and {v_name} {v.shape} differ before the head dim")
@@ -150,11 +150,11 @@ def resolve_config(config, analysis: VariantAnalysis, q, k_shape, v_shape) -> De
   if config not in (None, "auto") and not isinstance(config, DecodeConfig):
     raise TypeError(f"config must be a DecodeConfig, 'auto' or None; got {config!r}")
   if not isinstance(config, DecodeConfig):
-    config = tuning_cache.lookup_config(templates.DECODE.name, analysis.fingerprint(),
+    config = tuning_cache.lookup_config(_templates.DECODE.name, analysis.fingerprint(),
                                         q_shape=q.shape, k_shape=k_shape, v_shape=v_shape,
                                         dtype=q.dtype)
   shape = ProblemShape.from_shapes(q.shape, k_shape, v_shape, q.dtype)
-  return templates.DECODE.schedule(shape, device_config(), base=config)
+  return _templates.DECODE.schedule(shape, device_config(), base=config)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,7 +182,7 @@ class _DecodeCall:
 def _decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, rownorm, sinks,
             scale, config, interpret):
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  sinks = inputs.resolve_sinks(sinks, analysis, q.shape[2])
+  sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   heads_kv = k.shape[2]
   cfg = resolve_config(config, analysis, q, (q.shape[0], max_length, heads_kv, k.shape[3]),
                        (q.shape[0], max_length, heads_kv, v.shape[3]))

@@ -85,7 +85,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import templates
+from pallas_attn import _templates
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
@@ -169,10 +169,10 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
   d_values = next_power_of_2(max(values.shape[-1], 16))
   decay_kind = _kernel_decay_kind(spec.decay_kind)
   if config is None:
-    template = templates.LINEAR_FORWARD
+    template = _templates.LINEAR_FORWARD
     if spec.state_update == spec_lib.UPDATE_DELTA:
-      template = (templates.DELTA_RULE_PER_FEATURE if decay_kind == spec_lib.DECAY_VECTOR
-                  else templates.DELTA_RULE)
+      template = (_templates.DELTA_RULE_PER_FEATURE if decay_kind == spec_lib.DECAY_VECTOR
+                  else _templates.DELTA_RULE)
     config = template.default_config(ProblemShape.from_shapes(
         q_features.shape, k_features.shape, values.shape, q.dtype))
   chunk = chunk_size or config.chunk_size

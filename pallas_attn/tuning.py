@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import templates
+from pallas_attn import _templates
 from pallas_attn.api import attention
 from pallas_attn.decode import decode_attention
 from pallas_attn.kernels import backend
@@ -21,7 +21,7 @@ from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.schedule.tuner import TuningResult, tune_template
 from pallas_attn.spec.analysis import analyze_variant
 
-ATTENTION_TEMPLATES = tuple(t.name for t in templates.ATTENTION)
+ATTENTION_TEMPLATES = tuple(t.name for t in _templates.ATTENTION)
 
 
 def _random_inputs(shape: ProblemShape, seed: int):
@@ -35,7 +35,7 @@ def _check_lowering(template, analysis, shape: ProblemShape, interpret) -> None:
   why = template.obstacle(analysis, shape.dtype, shape.d_qk, shape.d_v,
                           backend.resolve_interpret(interpret))
   if why:
-    passes = templates.FORWARD if template in templates.FORWARD.values() else templates.BACKWARD
+    passes = _templates.FORWARD if template in _templates.FORWARD.values() else _templates.BACKWARD
     raise ValueError(f"template {template.name!r} cannot run this call: {why}; tune "
                      f"{passes[TRITON].name!r} (Triton) instead")
 
@@ -65,7 +65,7 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   block_sparse = mask_mod is not None  # the masked heuristic is the baseline
   analysis = analyze_variant(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm)
   fingerprint = analysis.fingerprint()
-  if tuned is templates.DECODE:
+  if tuned is _templates.DECODE:
     if shape.seq_q > MAX_DECODE_QUERIES:
       raise ValueError(f"the split-KV template takes 1 to {MAX_DECODE_QUERIES} query tokens; "
                        f"q_shape has {shape.seq_q}")
@@ -75,19 +75,19 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
   variant = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, sinks=sinks,
                  interpret=interpret)
 
-  if tuned is templates.DECODE:
+  if tuned is _templates.DECODE:
     lengths = jnp.full((shape.batch,), shape.seq_kv, jnp.int32)
 
     def build(config):
       forward = jax.jit(functools.partial(decode_attention, **variant, config=config))
       return lambda: forward(q, k, v, lengths)
-  elif tuned is templates.FORWARD[tuned.lowering]:
+  elif tuned is _templates.FORWARD[tuned.lowering]:
     def build(config):
       forward = jax.jit(functools.partial(attention, **variant, config=config,
                                           implementation=tuned.lowering))
       return lambda: forward(q, k, v)
   else:
-    forward_template = templates.FORWARD[tuned.lowering]
+    forward_template = _templates.FORWARD[tuned.lowering]
     if forward_config is None:
       forward_config = (
           cache.lookup_config(forward_template.name, fingerprint, q_shape=q_shape,

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_attn import api, inputs
+from pallas_attn import _inputs, api
 from pallas_attn.distributed import layout as layout_lib
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
 from pallas_attn.spec.trace import eval_inlined
@@ -324,7 +324,7 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   output, and with `return_lse` the log-sum-exp `[B, Hq, Sq]` (None for
   elementwise rownorms). Differentiable in q, k, v and sinks.
   """
-  inputs.check_attention_inputs(q, k, v)
+  _inputs.check_attention_inputs(q, k, v)
   layout_lib.check_layout(layout, q.shape[1], k.shape[1])
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   check_rownorm(analysis, sinks)

@@ -8,7 +8,7 @@ pruned for a shape on a device), its search axes and its cache bucket. The
 generic search (search_space.py), the cache and the tuner reach templates
 only through this interface, by the name a template registers under (the
 name tuning caches and the CLI use), so adding a template edits nothing in
-`schedule/`. `pallas_attn.templates` imports the package's template modules,
+`schedule/`. `pallas_attn._templates` imports the package's template modules,
 which register themselves; importing `pallas_attn` does that.
 
 `TritonTemplate` is the resource model the Triton templates share: tiles

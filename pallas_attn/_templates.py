@@ -7,6 +7,21 @@ module does for every one. The attention passes come per lowering
 besides the Template interface, each pass's template has its `lowering`
 and `obstacle(analysis, dtype, d_qk, d_v, interpret)`, why that lowering
 cannot run a call (None where it can).
+
+Where each family's parts live (forward in kernels/, backward in vjp/, the
+dense reference it is tested against, the config dataclass it tunes):
+
+  parallel attention   kernels/parallel_forward.py (Triton), kernels/mosaic_forward.py
+                       (Mosaic GPU); vjp/parallel_backward.py, vjp/mosaic_backward.py,
+                       vjp/attention_vjp.py (the custom_vjp); reference.py;
+                       schedule/config.py AttentionConfig
+  split-KV decoding    kernels/decode_forward.py (forward only); reference.py;
+                       DecodeConfig
+  chunked linear       kernels/linear/chunked_forward.py; vjp/linear_backward.py;
+                       kernels/linear/reference.py; LinearAttentionConfig
+  delta rule           kernels/linear/delta_rule.py (+ triangular.py) on the chunked
+                       passes; vjp/delta_rule_backward.py; kernels/linear/reference.py;
+                       LinearAttentionConfig
 """
 from pallas_attn.kernels import mosaic_forward, parallel_forward
 from pallas_attn.kernels.decode_forward import TEMPLATE as DECODE
