@@ -34,6 +34,7 @@ from pallas_attn.kernels import backend  # noqa: E402
 from pallas_attn.kernels.linear.reference import (  # noqa: E402
     chunked_linear_attention_jnp, linear_attention_reference)
 from pallas_attn.linear import linear_attention  # noqa: E402
+from pallas_attn.schedule.device import device_config  # noqa: E402
 
 # The packages re-export functions named like these modules: import the modules.
 forward_lib = importlib.import_module("pallas_attn.kernels.linear.chunked_forward")
@@ -165,7 +166,8 @@ def pass_builders(name, shape, inputs):
   schedule = forward_lib.ChunkedSchedule(
       decay_kind=kind, scale=scale or d_k ** -0.5, chunk_size=config.chunk_size,
       block_v=config.block_v, num_warps=config.num_warps, num_stages=config.num_stages,
-      interpret=backend.resolve_interpret(None), out_dtype="bfloat16")
+      interpret=backend.resolve_interpret(None), out_dtype="bfloat16",
+      sm_count=device_config().sm_count)
   g = forward_lib.chunk_cumulative_log_decay(log_decay, schedule.chunk_size,
                                              interpret=schedule.interpret)
   initial = jnp.zeros((q.shape[0], q.shape[2], d_k, d_v), jnp.float32)

@@ -89,6 +89,7 @@ from pallas_attn import _templates
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
+from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.delta_rule_backward import chunked_delta_rule
@@ -188,7 +189,8 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
       chunk_size=chunk, block_v=block_v, num_warps=config.num_warps,
       num_stages=config.num_stages,
       interpret=backend.resolve_interpret(interpret),
-      out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name)
+      out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name,
+      sm_count=device_config().sm_count)
   padded_inputs = (
       _pad_to(q_features, padded + (d_feature,)),
       _pad_to(k_features, padded + (d_feature,)),

@@ -56,7 +56,6 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import (LinearAttentionConfig, clamp_block, next_power_of_2,
                                          padded_head_dim)
-from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.template import (ResourceUse, TileCheck, TritonTemplate,
                                            accumulator_registers, register)
 
@@ -78,6 +77,8 @@ class ChunkedSchedule:
   decay_kind: "none", "scalar" or "vector" (the kernel's view of log_decay).
   block_v: Dv columns per program of the parallel (output, gradient) passes.
   out_dtype: dtype name of the output o.
+  sm_count: the device's multiprocessors (None: unknown), which the state
+  pass sizes its pipeline by (`state_pass_stages`).
   """
   decay_kind: str
   scale: float
@@ -87,6 +88,7 @@ class ChunkedSchedule:
   num_stages: int
   interpret: bool
   out_dtype: str
+  sm_count: int | None = None
 
   @property
   def rows_per_program(self) -> int:
@@ -283,7 +285,7 @@ def state_tile(d_feature: int, d_v: int, *,
   return min(d_feature, STATE_TILE // block_v), block_v
 
 
-def state_pass_stages(num_programs: int) -> int:
+def state_pass_stages(num_programs: int, sm_count: int | None) -> int:
   """Pipeline stages of the state pass for a grid of `num_programs`.
 
   Each program walks its chunks in sequence, so the loads of the next chunk
@@ -292,7 +294,6 @@ def state_pass_stages(num_programs: int) -> int:
   Dk=Dv=128, 64 x 128 tiles, GLA: 0.23 -> 0.17 ms); with more, the extra
   buffer costs resident programs instead (Mamba2 B4 H80: 0.29 -> 0.32 ms).
   """
-  sm_count = device_config().sm_count
   return 3 if sm_count and num_programs <= 2 * sm_count else 2
 
 
@@ -425,7 +426,7 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   return backend.pallas_call(
       kernel, out_shape=out_shape, grid=grid,
       in_specs=in_specs, out_specs=out_specs, num_warps=STATE_WARPS,
-      num_stages=state_pass_stages(math.prod(grid)),
+      num_stages=state_pass_stages(math.prod(grid), schedule.sm_count),
       interpret=schedule.interpret,
       name=f"linear_attention_states_{direction}_{schedule.decay_kind}",
   )(*inputs)
