@@ -58,7 +58,30 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mo
   lengths = _checked_lengths(kv_lengths, q.shape[1], k_cache.shape[1])
   return _decode(q, k_cache, v_cache, lengths, None, k_cache.shape[1], score_mod=score_mod,
                  mask_mod=mask_mod, rownorm=rownorm, sinks=sinks, scale=scale, config=config,
-                 interpret=interpret)
+                 interpret=interpret)[0]
+
+
+def decode_with_statistic(q, k, v, lengths, *, page_table=None, score_mod=None, mask_mod=None,
+                          rownorm="softmax", sinks=None, scale=None, config=None,
+                          interpret=None):
+  """`decode_attention`'s (or with `page_table`, `paged_attention`'s)
+  (output `[B, Sq, Hq, Dv]`, row statistic `[B, Hq, Sq]` float32: the
+  natural log-sum-exp of each row's weights for softmax rownorms, -inf for
+  a row that kept no key; zeros for elementwise ones).
+
+  For callers that merge decodes over parts of one cache
+  (distributed/sharded_decode.py): `lengths` `[B]` are not checked against
+  Sq, as a part may hold fewer keys than the queries, or none (they are
+  clamped into [0, S_max]; a row with no key gives zeros), and page
+  indices are clamped, not checked.
+  """
+  paged = page_table is not None
+  names = ("k_pages", "v_pages") if paged else ("k_cache", "v_cache")
+  _validate(q, k, v, lengths, *names, paged=paged)
+  max_length = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
+  return _decode(q, k, v, jnp.asarray(lengths, jnp.int32), page_table, max_length,
+                 score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, sinks=sinks,
+                 scale=scale, config=config, interpret=interpret)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=None,
@@ -91,7 +114,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
   _check_pages(page_table, lengths, page_size, k_pages.shape[0])
   return _decode(q, k_pages, v_pages, lengths, page_table, max_length, score_mod=score_mod,
                  mask_mod=mask_mod, rownorm=rownorm, sinks=sinks, scale=scale, config=config,
-                 interpret=interpret)
+                 interpret=interpret)[0]
 
 
 def _validate(q, k, v, kv_lengths, k_name, v_name, paged=False):
@@ -181,6 +204,7 @@ class _DecodeCall:
 
 def _decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, rownorm, sinks,
             scale, config, interpret):
+  """(output, row statistic) of the split-KV template on a checked cache."""
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   heads_kv = k.shape[2]
@@ -201,7 +225,7 @@ def _consts(analysis: VariantAnalysis) -> tuple:
 
 @functools.partial(jax.jit, static_argnames="call")
 def _forward_only(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
-  """`_forward`, raising a clear error when differentiated."""
+  """`_forward` (output, row statistic), raising a clear error when differentiated."""
   core = jax.custom_jvp(functools.partial(_forward, call=call))
 
   def no_derivative(primals, tangents):
@@ -209,7 +233,7 @@ def _forward_only(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeC
                     "for gradients use pallas_attn.attention on the cache sliced to the "
                     "sequence")
   core.defjvp(no_derivative)
-  return core(q, k, v, lengths, page_table, consts, sinks)[0]
+  return core(q, k, v, lengths, page_table, consts, sinks)
 
 
 def _forward(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
