@@ -135,7 +135,9 @@ def _mesh_axes(mesh, q, k, v) -> tuple:
             f"pallas_attn.attention: {name}'s {what} axis is sharded over mesh axes "
             f"{_axis_names(spec[axis])} ({name} sharding {sharding.spec}). attention shards "
             "batch and heads only; for a sequence split over devices use "
-            "pallas_attn.context_parallel_attention (or ring_attention inside shard_map).")
+            "pallas_attn.context_parallel_attention (or ring_attention inside shard_map); "
+            "to decode against a KV cache sharded along its sequence, "
+            "pallas_attn.sharded_decode_attention.")
   spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
   batch_axes, head_axes = _axis_names(spec[0]), _axis_names(spec[2])
   for axes, dims, what in ((batch_axes, (q.shape[0],), "batch"),
