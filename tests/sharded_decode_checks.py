@@ -1,0 +1,243 @@
+"""Multi-device checks of decoding on a sequence-sharded KV cache, as one script.
+
+tests/test_sharded_decode.py runs it in a subprocess on CPU with
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` (set before JAX
+starts) and interpret-mode kernels. Each check runs
+`sharded_decode_attention` (or `sharded_paged_attention`) under `jax.jit`
+on a cache sharded over the mesh's "seq" axis and compares it with the
+dense float32 reference (`attention_reference`) on the unsharded cache, query
+i of sequence b at kv_lengths[b] - Sq + i. The sharded caches hold NaN past
+each sequence's length, so reading a key it must not turns the output NaN.
+One check also reads the compiled HLO: no all-gather, only all-reduces of
+output-sized arrays. Exits non-zero on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_attn as pa
+from pallas_attn import variants
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+SHARD = 32  # cache positions per device
+CONFIG = pa.DecodeConfig(block_k=16, num_splits=1)
+SPLITS = pa.DecodeConfig(block_k=16, num_splits=2)  # each shard's keys split, then combined
+
+
+def rel_err(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32))
+  ref = np.asarray(jnp.asarray(ref, jnp.float32))
+  assert not np.isnan(x).any(), "NaN in result"
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def ragged_lengths(batch: int, seq: int):
+  """Shorter than one shard, across several shards, the whole cache (and a
+  fourth from the second shard)."""
+  return jnp.asarray([5, seq // 2 + 3, seq, SHARD + 1][:batch], jnp.int32)
+
+
+def random_inputs(batch, seq_q, seq, heads=8, kv_heads=2, d_qk=16, d_v=32, dtype=jnp.float32,
+                  seed=0):
+  """q, k, v from NumPy's generator (no per-shape compile of jax.random)."""
+  rng = np.random.default_rng(seed)
+  shapes = ((batch, seq_q, heads, d_qk), (batch, seq, kv_heads, d_qk),
+            (batch, seq, kv_heads, d_v))
+  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes)
+
+
+def poisoned(x, lengths):
+  """The cache with NaN at every position past each sequence's length."""
+  positions = np.arange(x.shape[1])[None, :, None, None]
+  keep = positions < np.asarray(lengths)[:, None, None, None]
+  return jnp.asarray(np.where(keep, np.asarray(x, np.float32), np.nan), x.dtype)
+
+
+def reference(q, k, v, lengths, *, score_mod=None, mask_mod=None, rownorm="softmax",
+              sinks=None):
+  """Dense float32 (output, log-sum-exp) with query i of sequence b at
+  lengths[b] - Sq + i, keys past lengths[b] masked."""
+  offset = lengths - q.shape[1]
+
+  def mask(b, h, qi, ki):
+    keep = ki < lengths[b]
+    return keep if mask_mod is None else keep & mask_mod(b, h, qi + offset[b], ki)
+  score = None if score_mod is None else (
+      lambda s, b, h, qi, ki: score_mod(s, b, h, qi + offset[b], ki))
+  return jax.jit(lambda *x: pa.attention_reference(
+      *(a.astype(jnp.float32) for a in x), score_mod=score, mask_mod=mask, rownorm=rownorm,
+      sinks=sinks, return_lse=True))(q, k, v)
+
+
+def seq_mesh(num):
+  return jax.make_mesh((num,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def check_decode(num, *, seq_q, kwargs=None, dtype=jnp.float32, config=CONFIG, batch=3,
+                 batch_split=1, sinks=None, seed=0, hlo=False):
+  """sharded_decode_attention under jit on a cache sharded over "seq" (and
+  with batch_split > 1 the batch over "data") against the reference:
+  output, and the log-sum-exp for softmax rownorms; with `hlo`, the
+  compiled program's collectives too (`check_collectives`)."""
+  kwargs = dict(kwargs or {})
+  seq = SHARD * (num // batch_split)
+  # The batch-split case uses explicit sharding types (arrays resharded inside).
+  kind = jax.sharding.AxisType.Explicit if batch_split > 1 else jax.sharding.AxisType.Auto
+  mesh = jax.make_mesh((batch_split, num // batch_split), ("data", "seq"), axis_types=(kind,) * 2)
+  q, k, v = random_inputs(batch, seq_q, seq, dtype=dtype, seed=seed)
+  lengths = ragged_lengths(batch, seq)
+  batch_axis = "data" if batch_split > 1 else None
+  softmax = pa.analyze_variant(rownorm=kwargs.get("rownorm", "softmax")).rownorm.kind == "softmax"
+  cache = NamedSharding(mesh, P(batch_axis, "seq"))
+  k_s, v_s = (jax.device_put(poisoned(x, lengths), cache) for x in (k, v))
+  if sinks is not None:
+    kwargs["sinks"] = sinks
+
+  def ours(q, k, v, lengths):
+    return pa.distributed.sharded_decode_attention(
+        q, k, v, lengths, mesh=mesh, axis_name="seq", batch_axis=batch_axis, config=config,
+        interpret=True, return_lse=True, **kwargs)
+  compiled = jax.jit(ours).lower(q, k_s, v_s, lengths).compile()
+  out, lse = compiled(q, k_s, v_s, lengths)
+  want_out, want_lse = reference(q, k, v, lengths, **kwargs)
+  assert out.shape == q.shape[:3] + (v.shape[3],) and out.dtype == dtype, (out.shape, out.dtype)
+  errors = [rel_err(out, want_out)]
+  if softmax:
+    errors.append(rel_err(lse, want_lse))
+  else:
+    assert lse is None
+  assert max(errors) <= TOLERANCE[dtype], f"relative errors {errors}"
+  summary = f"lengths {np.asarray(lengths).tolist()} of {seq}, max relative error {max(errors):.1e}"
+  if hlo:
+    summary += "; " + check_collectives(compiled.as_text(), out.size)
+  return summary
+
+
+def check_paged(num, *, seq_q=2, page_size=4):
+  """sharded_paged_attention: each device's positions in pages of its own
+  pool, through a shuffled page table of local indices."""
+  mesh = seq_mesh(num)
+  batch, seq = 2, SHARD * num
+  pages_per_device = SHARD // page_size  # per sequence
+  pool = batch * pages_per_device + 1  # one spare page per device
+  q, k, v = random_inputs(batch, seq_q, seq, seed=3)
+  lengths = ragged_lengths(batch, seq)
+  rng = np.random.default_rng(0)
+  table = np.zeros((batch, num * pages_per_device), np.int32)
+  k_pages = np.full((num * pool, page_size) + k.shape[2:], np.nan, np.float32)
+  v_pages = np.full((num * pool, page_size) + v.shape[2:], np.nan, np.float32)
+  k_host, v_host = (np.asarray(poisoned(x, lengths)) for x in (k, v))
+  for device in range(num):
+    order = rng.permutation(pool)
+    for b in range(batch):
+      for slot in range(pages_per_device):
+        local = int(order[b * pages_per_device + slot])
+        first = (device * pages_per_device + slot) * page_size
+        table[b, device * pages_per_device + slot] = local
+        k_pages[device * pool + local] = k_host[b, first:first + page_size]
+        v_pages[device * pool + local] = v_host[b, first:first + page_size]
+  k_pages, v_pages = (jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("seq")))
+                      for x in (k_pages, v_pages))
+  table = jax.device_put(jnp.asarray(table), NamedSharding(mesh, P(None, "seq")))
+  causal = variants.causal().kwargs()
+
+  @jax.jit
+  def ours(q, k_pages, v_pages, table, lengths):
+    return pa.distributed.sharded_paged_attention(
+        q, k_pages, v_pages, table, lengths, mesh=mesh, axis_name="seq", config=CONFIG,
+        interpret=True, **causal)
+  out = ours(q, k_pages, v_pages, table, lengths)
+  want, _ = reference(q, k, v, lengths, **causal)
+  error = rel_err(out, want)
+  assert error <= TOLERANCE[jnp.float32], f"relative error {error}"
+  return f"page size {page_size}, {pool} pages per device, max relative error {error:.1e}"
+
+
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-to-all|collective-permute|all-reduce|"
+                         r"reduce-scatter)(-start)?\(")
+
+
+def collectives(hlo: str) -> list:
+  """(op, element count of its largest result array, line) per collective of an HLO text."""
+  found = []
+  for line in hlo.splitlines():
+    match = _COLLECTIVE.search(line)
+    if match:
+      shapes = re.findall(r"\b(?:f32|bf16|f16|s32|pred|u32)\[([\d,]*)\]", match.group(1))
+      size = max((math.prod(int(d) for d in s.split(",") if d) for s in shapes), default=0)
+      found.append((match.group(2), size, line.strip()[:160]))
+  return found
+
+
+def check_collectives(hlo: str, output_elements: int) -> str:
+  """The compiled program moves no cache: no all-gather / all-to-all /
+  permute, and its all-reduces carry at most an output's elements (the
+  merge's [B, Sq, Hq, Dv] and [B, Hq, Sq] arrays)."""
+  found = collectives(hlo)
+  moved = [line for op, _, line in found if op != "all-reduce"]
+  assert not moved, f"collectives other than all-reduce: {moved}"
+  big = [line for _, size, line in found if size > output_elements]
+  assert not big, f"all-reduces larger than the output ({output_elements} elements): {big}"
+  assert found, "no all-reduce: the shards' parts were not merged"
+  return f"{len(found)} all-reduces of at most {max(s for _, s, _ in found)} elements"
+
+
+def cases(num):
+  """(name, check) pairs for `num` devices."""
+  causal, window = variants.causal(), variants.sliding_window(5)  # window < SHARD
+  seq = SHARD * num
+  ids = jnp.asarray(np.arange(3 * seq).reshape(3, seq) // 13 % 4, jnp.int32)
+  # A closed-over [B, S] array read at global key positions (a gather of the whole array).
+  alibi_documents = variants.alibi(num_heads=8) + variants.document(ids, causal=True)
+  sinks = jnp.linspace(-1.0, 2.0, 8)
+  return [
+      ("Sq=1, GQA 8/2, sinks", lambda: check_decode(num, seq_q=1, sinks=sinks)),
+      ("Sq=4, causal, splits", lambda: check_decode(
+          num, seq_q=4, kwargs=causal.kwargs(), config=SPLITS, seed=1)),
+      ("Sq=4, sliding window 5 + sinks, splits; HLO: no cache all-gather",
+       lambda: check_decode(num, seq_q=4, kwargs=window.kwargs(), sinks=sinks, config=SPLITS,
+                            seed=2, hlo=True)),
+      ("Sq=4, ALiBi + causal documents, bf16", lambda: check_decode(
+          num, seq_q=4, kwargs=alibi_documents.kwargs(), dtype=jnp.bfloat16, seed=3)),
+      ("Sq=4, sigmoid (elementwise), batch split over an explicit axis", lambda: check_decode(
+          num, seq_q=4, batch=4, batch_split=2, seed=4, kwargs=dict(
+              rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b,
+              mask_mod=causal.mask_mod))),
+      ("Sq=2, paged, causal", lambda: check_paged(num)),
+  ]
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--only", default="", help="run the checks whose names contain this")
+  args = parser.parse_args()
+  num = jax.device_count()
+  if num < 4 or num % 2:
+    sys.exit(f"needs an even number of devices, at least 4; got {jax.devices()}")
+  failed = []
+  for name, check in cases(num):
+    if args.only not in name:
+      continue
+    try:
+      start = time.perf_counter()
+      summary = check()
+      print(f"ok    {name}: {summary} ({time.perf_counter() - start:.1f} s)", flush=True)
+    except Exception:  # report every check, then fail
+      failed.append(name)
+      print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)
+  if failed:
+    sys.exit(f"{len(failed)} failed: {failed}")
+
+
+if __name__ == "__main__":
+  main()
