@@ -103,11 +103,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
   read (padding such as -1 is fine). Forward only, as `decode_attention`.
   """
   _validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
-  if (getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != q.shape[0]
-      or not jnp.issubdtype(page_table.dtype, jnp.integer)):
-    raise ValueError(f"page_table must be an integer [B, max_pages] = [{q.shape[0]}, ...] "
-                     f"array; got {getattr(page_table, 'dtype', type(page_table).__name__)} "
-                     f"{getattr(page_table, 'shape', '')}")
+  _check_page_table(page_table, q.shape[0], "max_pages")
   page_size = k_pages.shape[1]
   max_length = page_table.shape[1] * page_size
   lengths = _checked_lengths(kv_lengths, q.shape[1], max_length)
@@ -147,6 +143,15 @@ def _checked_lengths(kv_lengths, seq_q: int, max_length: int):
                        f"[{seq_q}, {max_length}]: a sequence holds its {seq_q} new tokens' "
                        "keys and at most the cache's length")
   return jnp.asarray(kv_lengths, jnp.int32)
+
+
+def _check_page_table(page_table, batch: int, columns: str):
+  """Raises unless page_table is an integer [B, columns] array."""
+  if (getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != batch
+      or not jnp.issubdtype(page_table.dtype, jnp.integer)):
+    raise ValueError(f"page_table must be an integer [B, {columns}] = [{batch}, ...] "
+                     f"array; got {getattr(page_table, 'dtype', type(page_table).__name__)} "
+                     f"{getattr(page_table, 'shape', '')}")
 
 
 def _check_pages(page_table, lengths, page_size: int, num_pages: int):

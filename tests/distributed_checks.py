@@ -317,14 +317,20 @@ def main():
                  lambda: check_ring_in_shard_map(config, interpret, num)))
   if num > 2:
     checks.append(("ring memory", lambda: check_ring_memory(config, interpret, num)))
+  run_checks(checks, args.only)
+
+
+def run_checks(checks, only: str = ""):
+  """Runs each (name, check) whose name contains `only`, printing its summary or its
+  traceback; exits non-zero after all of them if any failed."""
   failed = []
   for name, check in checks:
-    if args.only not in name:
+    if only not in name:
       continue
     try:
       start = time.perf_counter()
       summary = check()
-      print(f"ok    {name}: {summary} ({time.perf_counter() - start:.0f} s)", flush=True)
+      print(f"ok    {name}: {summary} ({time.perf_counter() - start:.1f} s)", flush=True)
     except Exception:  # report every check, then fail
       failed.append(name)
       print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)

@@ -17,8 +17,6 @@ import argparse
 import math
 import re
 import sys
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +24,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_attn as pa
+from distributed_checks import rel_err, run_checks
 from pallas_attn import variants
+from test_decode import reference
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 SHARD = 32  # cache positions per device
 CONFIG = pa.DecodeConfig(block_k=16, num_splits=1)
 SPLITS = pa.DecodeConfig(block_k=16, num_splits=2)  # each shard's keys split, then combined
-
-
-def rel_err(x, ref):
-  x = np.asarray(jnp.asarray(x, jnp.float32))
-  ref = np.asarray(jnp.asarray(ref, jnp.float32))
-  assert not np.isnan(x).any(), "NaN in result"
-  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def ragged_lengths(batch: int, seq: int):
@@ -61,22 +54,6 @@ def poisoned(x, lengths):
   positions = np.arange(x.shape[1])[None, :, None, None]
   keep = positions < np.asarray(lengths)[:, None, None, None]
   return jnp.asarray(np.where(keep, np.asarray(x, np.float32), np.nan), x.dtype)
-
-
-def reference(q, k, v, lengths, *, score_mod=None, mask_mod=None, rownorm="softmax",
-              sinks=None):
-  """Dense float32 (output, log-sum-exp) with query i of sequence b at
-  lengths[b] - Sq + i, keys past lengths[b] masked."""
-  offset = lengths - q.shape[1]
-
-  def mask(b, h, qi, ki):
-    keep = ki < lengths[b]
-    return keep if mask_mod is None else keep & mask_mod(b, h, qi + offset[b], ki)
-  score = None if score_mod is None else (
-      lambda s, b, h, qi, ki: score_mod(s, b, h, qi + offset[b], ki))
-  return jax.jit(lambda *x: pa.attention_reference(
-      *(a.astype(jnp.float32) for a in x), score_mod=score, mask_mod=mask, rownorm=rownorm,
-      sinks=sinks, return_lse=True))(q, k, v)
 
 
 def seq_mesh(num):
@@ -109,7 +86,7 @@ def check_decode(num, *, seq_q, kwargs=None, dtype=jnp.float32, config=CONFIG, b
         interpret=True, return_lse=True, **kwargs)
   compiled = jax.jit(ours).lower(q, k_s, v_s, lengths).compile()
   out, lse = compiled(q, k_s, v_s, lengths)
-  want_out, want_lse = reference(q, k, v, lengths, **kwargs)
+  want_out, want_lse = reference(q, k, v, lengths, return_lse=True, **kwargs)
   assert out.shape == q.shape[:3] + (v.shape[3],) and out.dtype == dtype, (out.shape, out.dtype)
   errors = [rel_err(out, want_out)]
   if softmax:
@@ -157,7 +134,7 @@ def check_paged(num, *, seq_q=2, page_size=4):
         q, k_pages, v_pages, table, lengths, mesh=mesh, axis_name="seq", config=CONFIG,
         interpret=True, **causal)
   out = ours(q, k_pages, v_pages, table, lengths)
-  want, _ = reference(q, k, v, lengths, **causal)
+  want = reference(q, k, v, lengths, **causal)
   error = rel_err(out, want)
   assert error <= TOLERANCE[jnp.float32], f"relative error {error}"
   return f"page size {page_size}, {pool} pages per device, max relative error {error:.1e}"
@@ -224,20 +201,7 @@ def main():
   num = jax.device_count()
   if num < 4 or num % 2:
     sys.exit(f"needs an even number of devices, at least 4; got {jax.devices()}")
-  failed = []
-  for name, check in cases(num):
-    if args.only not in name:
-      continue
-    try:
-      start = time.perf_counter()
-      summary = check()
-      print(f"ok    {name}: {summary} ({time.perf_counter() - start:.1f} s)", flush=True)
-    except Exception:  # report every check, then fail
-      failed.append(name)
-      print(f"FAIL  {name}\n{traceback.format_exc()}", flush=True)
-  if failed:
-    sys.exit(f"{len(failed)} failed: {failed}")
-
+  run_checks(cases(num), args.only)
 
 if __name__ == "__main__":
   main()

@@ -39,8 +39,9 @@ def poisoned(x, lengths):
 
 
 def reference(q, k, v, lengths, *, score_mod=None, mask_mod=None, rownorm="softmax",
-              sinks=None, masked_fill=-jnp.inf):
-  """Dense float32 attention with query i of sequence b at lengths[b] - Sq + i."""
+              sinks=None, masked_fill=-jnp.inf, return_lse=False):
+  """Dense float32 attention with query i of sequence b at lengths[b] - Sq + i, keys
+  past lengths[b] masked (with `return_lse`: (output, log-sum-exp))."""
   offset = lengths - q.shape[1]
 
   def mask(b, h, qi, ki):
@@ -50,7 +51,7 @@ def reference(q, k, v, lengths, *, score_mod=None, mask_mod=None, rownorm="softm
       lambda s, b, h, qi, ki: score_mod(s, b, h, qi + offset[b], ki))
   run = jax.jit(lambda *x: pa.attention_reference(
       *(a.astype(jnp.float32) for a in x), score_mod=score, mask_mod=mask, rownorm=rownorm,
-      sinks=sinks, masked_fill=masked_fill))
+      sinks=sinks, masked_fill=masked_fill, return_lse=return_lse))
   return run(q, k, v)
 
 

@@ -218,11 +218,7 @@ def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh
   clamped into the device's pool.
   """
   decode._validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
-  if (getattr(page_table, "ndim", None) != 2 or page_table.shape[0] != q.shape[0]
-      or not jnp.issubdtype(page_table.dtype, jnp.integer)):
-    raise ValueError(f"page_table must be an integer [B, N * max_pages] = [{q.shape[0]}, ...] "
-                     f"array; got {getattr(page_table, 'dtype', type(page_table).__name__)} "
-                     f"{getattr(page_table, 'shape', '')}")
+  decode._check_page_table(page_table, q.shape[0], "N * max_pages")
   num = _check_mesh(mesh, axis_name, batch_axis, q.shape[0], page_table.shape[1],
                     "page table's pages per sequence")
   if k_pages.shape[0] % num:
