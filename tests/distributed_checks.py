@@ -243,23 +243,27 @@ def check_ring_in_shard_map(config, interpret, num):
 
 def check_ring_memory(config, interpret, num):
   """The ring's backward keeps one device's shard, not one per step: the
-  compiled gradient's temporary memory on `num` devices is that on two
-  (with the same local length; differentiating through the forward ring
-  would keep each step's keys, values and partial output)."""
+  compiled gradient's temporary memory on `num` devices is that on three
+  (the smallest ring whose loop runs more than once: XLA simplifies a loop
+  of one step, and buffers with it), at the same local length;
+  differentiating through the forward ring would keep each step's keys,
+  values and partial output. The shards are long enough (1024 positions)
+  that their arrays outweigh the per-step constants (block masks,
+  statistics) that compiled programs also hold."""
   def temp_bytes(devices):
     mesh = jax.make_mesh((devices,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,),
                          devices=jax.devices()[:devices])
     spec = NamedSharding(mesh, P(None, "seq"))
-    x = jax.sharding.reshard(jnp.ones((1, 64 * devices, 2, 16)), spec)
+    x = jax.sharding.reshard(jnp.ones((1, 1024 * devices, 2, 16)), spec)
     ring = jax.shard_map(
         lambda q, k, v: pa.ring_attention(q, k, v, axis_name="seq", config=config,
                                           bwd_config=config, interpret=interpret),
         mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=False)
     grad = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v).sum(), (0, 1, 2)))
     return grad.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
-  two, many = temp_bytes(2), temp_bytes(num)
-  assert many <= 1.1 * two, f"temporary bytes: {many} on {num} devices, {two} on two"
-  return f"gradient temporaries {many} bytes on {num} devices, {two} on two"
+  three, many = temp_bytes(3), temp_bytes(num)
+  assert many <= 1.1 * three, f"temporary bytes: {many} on {num} devices, {three} on three"
+  return f"gradient temporaries {many} bytes on {num} devices, {three} on three"
 
 
 def context_parallel_cases(num):

@@ -128,12 +128,10 @@ def _when(live, compute, skipped):
   return lax.cond(live, compute, skipped)
 
 
-def _pass_on(ring: _Ring, place: _Place, tree):
-  """Each array of `tree` sent to the next device of the ring."""
+def _pass_on(ring: _Ring, place: _Place, message):
+  """`message` (one array: `layout.pack`) sent to the next device of the ring."""
   perm = [(i, (i + 1) % place.num) for i in range(place.num)]
-  leaves, structure = jax.tree.flatten(tree)
-  received = layout_lib.ordered_ppermutes([(x, perm) for x in leaves], ring.axis_name)
-  return jax.tree.unflatten(structure, received)
+  return lax.ppermute(message, ring.axis_name, perm)
 
 
 def _reweighted(out, lse, merged):
@@ -162,9 +160,11 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), q.dtype),
            jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32))
   kind = ring.analysis.rownorm.kind
+  own = [x for x in (k, v, kv_ids) if x is not None]
 
   def attend(step, block, acc):
     """Step `step`'s (output, row statistic) folded into `acc` (None: alone)."""
+    block = (*block, None) if kv_ids is None else tuple(block)
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
     part = _when(live, lambda: api._attention(q, *block[:2], step_consts, block_masks, None,
                                               call=call),
@@ -172,52 +172,67 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
     return part if acc is None else _merge(kind, acc, part)
 
   def body(step, carry):  # the last step's transfer is not needed, but keeps one loop body
-    block, acc = carry
-    return _pass_on(ring, place, block), attend(step, block, acc)
+    message, acc = carry
+    return _pass_on(ring, place, message), attend(step, layout_lib.unpack(message, own), acc)
 
-  # Step 0 (this device's own keys) runs before the loop: the loop then carries
-  # the received blocks, not a copy of k and v, and starts from step 0's output.
-  own = (k, v, kv_ids)
-  received = _pass_on(ring, place, own)
+  # Step 0 (this device's own keys) runs before the loop, its transfer overlapping
+  # it: the loop then carries the received block (k, v and ids in one buffer, one
+  # transfer a step), not a copy of k and v, and starts from step 0's output.
+  received = _pass_on(ring, place, layout_lib.pack(own))
   out, lse = attend(0, own, None)
   _, (out, lse) = lax.fori_loop(1, place.num, body, (received, (out.astype(jnp.float32), lse)))
   return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
 
 
 def _backward(ring: _Ring, residuals, d_out, d_lse):
-  """(dq, dk, dv) over a second ring: dq stays, a float32 dk/dv accumulator
-  follows each block of keys one step behind it and returns to its device."""
+  """(dq, dk, dv) over a second ring: dq stays; a dk/dv accumulator travels
+  with each block of keys, in the keys' dtype, one step behind it so that its
+  transfer also overlaps a kernel, and returns to its device."""
   q, k, v, q_ids, kv_ids, consts, out, lse = residuals
   place = _place(ring, q)
   d_out = d_out.astype(q.dtype)
+  block_like = [x for x in (k, v, kv_ids) if x is not None]
+  like = block_like + [k, v]  # a message: the block, then the dk / dv accumulator
 
   def gradients(step, block):
+    block = (*block, None) if kv_ids is None else tuple(block)
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
 
     def compute():
       def recorded(q, k, v):
         return api._attention(q, k, v, step_consts, block_masks, None, (out, lse), call=call)
       _, pullback = jax.vjp(recorded, q, *block[:2])
-      return tuple(g.astype(jnp.float32) for g in pullback((d_out, d_lse)))
-    return _when(live, compute, lambda: tuple(jnp.zeros(x.shape, jnp.float32)
+      return pullback((d_out, d_lse))
+    return _when(live, compute, lambda: tuple(jnp.zeros(x.shape, x.dtype)
                                               for x in (q, *block[:2])))
 
-  def visit(step, carry):
-    """Step `step`: the accumulator of the block held now arrives from the
-    previous device, this device's part is added to it."""
-    block, dq, acc = carry
-    next_block, acc = _pass_on(ring, place, (block, acc))
-    g_q, g_k, g_v = gradients(step, block)
-    return next_block, dq + g_q, (acc[0] + g_k, acc[1] + g_v)
+  def accumulated(message, grads):
+    """The message's dk / dv accumulator plus `grads`, in float32."""
+    acc = layout_lib.unpack(message, like)[-2:]
+    return [a.astype(jnp.float32) + g.astype(jnp.float32) for a, g in zip(acc, grads)]
 
-  # Step 0 (this device's own keys, whose accumulator starts here) runs before
-  # the loop: no copy of k and v in the loop's carry, no zeros sent around.
-  own = (k, v, kv_ids)
-  received = _pass_on(ring, place, own)
-  dq, dk, dv = gradients(0, own)
-  _, dq, acc = lax.fori_loop(1, place.num, visit, (received, dq, (dk, dv)))
-  dk, dv = _pass_on(ring, place, acc)  # to the device the block started on
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  def visit(step, carry):
+    """Step `step`: the message received holds this step's block and the
+    accumulator of the previous step's block, to which that step's part
+    (`grads`) is added before it is passed on with this block."""
+    message, dq, grads = carry
+    block = layout_lib.unpack(message, like)[:len(block_like)]
+    acc = [a.astype(x.dtype) for a, x in zip(accumulated(message, grads), (k, v))]
+    received = _pass_on(ring, place, layout_lib.pack(block + acc))
+    g_q, g_k, g_v = gradients(step, block)
+    return received, dq + g_q.astype(jnp.float32), (g_k, g_v)
+
+  # Step 0 (this device's own keys) runs before the loop; it sends its block
+  # with a zero accumulator (the block's accumulator starts on its own device).
+  zeros = [jnp.zeros(x.shape, x.dtype) for x in (k, v)]
+  received = _pass_on(ring, place, layout_lib.pack(block_like + zeros))
+  g_q, g_k, g_v = gradients(0, block_like)
+  last, dq, grads = lax.fori_loop(1, place.num, visit,
+                                  (received, g_q.astype(jnp.float32), (g_k, g_v)))
+  # The last step's block's accumulator is complete; it returns to its device.
+  final = [a.astype(x.dtype) for a, x in zip(accumulated(last, grads), (k, v))]
+  dk, dv = layout_lib.unpack(_pass_on(ring, place, layout_lib.pack(final)), final)
+  return dq.astype(q.dtype), dk, dv
 
 
 def _check_captures_not_differentiated(score_consts):
