@@ -2,18 +2,20 @@
 
 tests/test_sharded_decode.py runs it in a subprocess on CPU with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` (set before JAX
-starts) and interpret-mode kernels. Each check runs
+starts) and interpret-mode kernels; on a GPU machine (`--compiled`) over
+every local GPU with compiled kernels. Each check runs
 `sharded_decode_attention` (or `sharded_paged_attention`) under `jax.jit`
 on a cache sharded over the mesh's "seq" axis and compares it with the
 dense float32 reference (`attention_reference`) on the unsharded cache, query
 i of sequence b at kv_lengths[b] - Sq + i. The sharded caches hold NaN past
 each sequence's length, so reading a key it must not turns the output NaN.
-One check also reads the compiled HLO: no all-gather, only all-reduces of
-output-sized arrays. Exits non-zero on any failure.
+One check also reads the compiled HLO: its collectives carry the shards'
+outputs and statistics, never the cache. Exits non-zero on any failure.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
@@ -60,8 +62,8 @@ def seq_mesh(num):
   return jax.make_mesh((num,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def check_decode(num, *, seq_q, kwargs=None, dtype=jnp.float32, config=CONFIG, batch=3,
-                 batch_split=1, sinks=None, seed=0, hlo=False):
+def check_decode(num, interpret, *, seq_q, kwargs=None, dtype=jnp.float32, config=CONFIG,
+                 batch=3, batch_split=1, sinks=None, seed=0, hlo=False):
   """sharded_decode_attention under jit on a cache sharded over "seq" (and
   with batch_split > 1 the batch over "data") against the reference:
   output, and the log-sum-exp for softmax rownorms; with `hlo`, the
@@ -83,7 +85,7 @@ def check_decode(num, *, seq_q, kwargs=None, dtype=jnp.float32, config=CONFIG, b
   def ours(q, k, v, lengths):
     return pa.distributed.sharded_decode_attention(
         q, k, v, lengths, mesh=mesh, axis_name="seq", batch_axis=batch_axis, config=config,
-        interpret=True, return_lse=True, **kwargs)
+        interpret=interpret, return_lse=True, **kwargs)
   compiled = jax.jit(ours).lower(q, k_s, v_s, lengths).compile()
   out, lse = compiled(q, k_s, v_s, lengths)
   want_out, want_lse = reference(q, k, v, lengths, return_lse=True, **kwargs)
@@ -96,11 +98,11 @@ def check_decode(num, *, seq_q, kwargs=None, dtype=jnp.float32, config=CONFIG, b
   assert max(errors) <= TOLERANCE[dtype], f"relative errors {errors}"
   summary = f"lengths {np.asarray(lengths).tolist()} of {seq}, max relative error {max(errors):.1e}"
   if hlo:
-    summary += "; " + check_collectives(compiled.as_text(), out.size)
+    summary += "; " + check_collectives(compiled.as_text(), out.size + lse.size, num)
   return summary
 
 
-def check_paged(num, *, seq_q=2, page_size=4):
+def check_paged(num, interpret, *, seq_q=2, page_size=4):
   """sharded_paged_attention: each device's positions in pages of its own
   pool, through a shuffled page table of local indices."""
   mesh = seq_mesh(num)
@@ -132,7 +134,7 @@ def check_paged(num, *, seq_q=2, page_size=4):
   def ours(q, k_pages, v_pages, table, lengths):
     return pa.distributed.sharded_paged_attention(
         q, k_pages, v_pages, table, lengths, mesh=mesh, axis_name="seq", config=CONFIG,
-        interpret=True, **causal)
+        interpret=interpret, **causal)
   out = ours(q, k_pages, v_pages, table, lengths)
   want = reference(q, k, v, lengths, **causal)
   error = rel_err(out, want)
@@ -156,52 +158,58 @@ def collectives(hlo: str) -> list:
   return found
 
 
-def check_collectives(hlo: str, output_elements: int) -> str:
-  """The compiled program moves no cache: no all-gather / all-to-all /
-  permute, and its all-reduces carry at most an output's elements (the
-  merge's [B, Sq, Hq, Dv] and [B, Hq, Sq] arrays)."""
+def check_collectives(hlo: str, merge_elements: int, num: int) -> str:
+  """The compiled program moves no cache: no all-to-all or permute, and its
+  all-gathers / all-reduces carry at most the `num` shards' [B, Sq, Hq, Dv]
+  outputs and [B, Hq, Sq] statistics (`merge_elements` per shard)."""
   found = collectives(hlo)
-  moved = [line for op, _, line in found if op != "all-reduce"]
-  assert not moved, f"collectives other than all-reduce: {moved}"
-  big = [line for _, size, line in found if size > output_elements]
-  assert not big, f"all-reduces larger than the output ({output_elements} elements): {big}"
-  assert found, "no all-reduce: the shards' parts were not merged"
-  return f"{len(found)} all-reduces of at most {max(s for _, s, _ in found)} elements"
+  moved = [line for op, _, line in found if op not in ("all-reduce", "all-gather")]
+  assert not moved, f"collectives other than all-gather / all-reduce: {moved}"
+  big = [line for _, size, line in found if size > num * merge_elements]
+  assert not big, f"collectives larger than the merge's ({num} x {merge_elements} elements): {big}"
+  assert found, "no collective: the shards' parts were not merged"
+  return f"{len(found)} collectives of at most {max(s for _, s, _ in found)} elements"
 
 
-def cases(num):
-  """(name, check) pairs for `num` devices."""
+def cases(num, interpret):
+  """(name, check) pairs for `num` devices (the batch split needs 4 or more)."""
   causal, window = variants.causal(), variants.sliding_window(5)  # window < SHARD
   seq = SHARD * num
   ids = jnp.asarray(np.arange(3 * seq).reshape(3, seq) // 13 % 4, jnp.int32)
   # A closed-over [B, S] array read at global key positions (a gather of the whole array).
   alibi_documents = variants.alibi(num_heads=8) + variants.document(ids, causal=True)
   sinks = jnp.linspace(-1.0, 2.0, 8)
-  return [
-      ("Sq=1, GQA 8/2, sinks", lambda: check_decode(num, seq_q=1, sinks=sinks)),
-      ("Sq=4, causal, splits", lambda: check_decode(
-          num, seq_q=4, kwargs=causal.kwargs(), config=SPLITS, seed=1)),
+  decode = functools.partial(check_decode, num, interpret)
+  found = [
+      ("Sq=1, GQA 8/2, sinks", lambda: decode(seq_q=1, sinks=sinks)),
+      ("Sq=4, causal, splits", lambda: decode(seq_q=4, kwargs=causal.kwargs(), config=SPLITS,
+                                              seed=1)),
       ("Sq=4, sliding window 5 + sinks, splits; HLO: no cache all-gather",
-       lambda: check_decode(num, seq_q=4, kwargs=window.kwargs(), sinks=sinks, config=SPLITS,
-                            seed=2, hlo=True)),
-      ("Sq=4, ALiBi + causal documents, bf16", lambda: check_decode(
-          num, seq_q=4, kwargs=alibi_documents.kwargs(), dtype=jnp.bfloat16, seed=3)),
-      ("Sq=4, sigmoid (elementwise), batch split over an explicit axis", lambda: check_decode(
-          num, seq_q=4, batch=4, batch_split=2, seed=4, kwargs=dict(
-              rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b,
-              mask_mod=causal.mask_mod))),
-      ("Sq=2, paged, causal", lambda: check_paged(num)),
+       lambda: decode(seq_q=4, kwargs=window.kwargs(), sinks=sinks, config=SPLITS, seed=2,
+                      hlo=True)),
+      ("Sq=4, ALiBi + causal documents, bf16", lambda: decode(
+          seq_q=4, kwargs=alibi_documents.kwargs(), dtype=jnp.bfloat16, seed=3)),
+      ("Sq=2, paged, causal", lambda: check_paged(num, interpret)),
   ]
+  if num >= 4:
+    found.append(("Sq=4, sigmoid (elementwise), batch split over an explicit axis",
+                  lambda: decode(seq_q=4, batch=4, batch_split=2, seed=4, kwargs=dict(
+                      rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b,
+                      mask_mod=causal.mask_mod))))
+  return found
 
 
 def main():
   parser = argparse.ArgumentParser()
+  parser.add_argument("--compiled", action="store_true",
+                      help="compiled kernels (GPU) instead of interpret mode")
   parser.add_argument("--only", default="", help="run the checks whose names contain this")
   args = parser.parse_args()
   num = jax.device_count()
-  if num < 4 or num % 2:
-    sys.exit(f"needs an even number of devices, at least 4; got {jax.devices()}")
-  run_checks(cases(num), args.only)
+  if num < 2 or num % 2:
+    sys.exit(f"needs an even number of devices; got {jax.devices()}")
+  run_checks(cases(num, not args.compiled), args.only)
+
 
 if __name__ == "__main__":
   main()

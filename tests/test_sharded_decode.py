@@ -29,17 +29,28 @@ REPO = CHECKS.parent.parent
 CONFIG = pa.DecodeConfig(block_k=16, num_splits=1)
 
 
+def _run_checks(*args, env_update):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **env_update)
+  result = subprocess.run([sys.executable, str(CHECKS), *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+  print(result.stdout)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+
+
 @pytest.mark.parametrize("devices", [4, 8])
 def test_sharded_decode_on_cpu_devices(devices):
   """Every check of sharded_decode_checks.py on `devices` CPU devices
   (XLA_FLAGS before JAX starts), one subprocess per device count."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, str(CHECKS)], env=env, capture_output=True,
-                          text=True, timeout=900)
-  print(result.stdout)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+  _run_checks(env_update=dict(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                              JAX_PLATFORMS="cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_sharded_decode_compiled_on_local_gpus():
+  """Compiled kernels over every local GPU (NVLink multicast left off)."""
+  _run_checks("--compiled", env_update={"NCCL_NVLS_ENABLE": "0"})
 
 
 def _inputs(seq=32, seq_q=2, batch=2):
