@@ -65,9 +65,10 @@ def wait_torch(_):
   cuda_torch().cuda.synchronize()
 
 
-def _device_events(fn: Callable, calls: int, warmup: int):
+def _device_events(fn: Callable, calls: int, warmup: int, with_device: bool = False):
   """(start us, end us, name) of everything the device ran in `calls`
-  back-to-back calls of `fn()` after `warmup` waited ones, in start order."""
+  back-to-back calls of `fn()` after `warmup` waited ones, in start order;
+  with `with_device`, (start, end, name, device index) of every GPU's."""
   torch = require_torch()
   from torch.profiler import ProfilerActivity, profile
 
@@ -81,8 +82,9 @@ def _device_events(fn: Callable, calls: int, warmup: int):
     for _ in range(calls):
       out = fn()
     wait(out)
-  return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA)
+  return sorted((e.time_range.start, e.time_range.end, e.name)
+                + ((e.device_index,) if with_device else ())
+                for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def kernel_time_ms(fn: Callable, *, calls: int = 20,
@@ -96,16 +98,46 @@ def kernel_time_ms(fn: Callable, *, calls: int = 20,
   return sum(per_kernel.values()), dict(per_kernel)
 
 
+def _busy_us(intervals) -> float:
+  """Length of the union of (start, end) intervals sorted by start."""
+  busy, covered_to = 0.0, -math.inf
+  for start, end in intervals:
+    busy += max(0.0, end - max(start, covered_to))
+    covered_to = max(covered_to, end)
+  return busy
+
+
+def device_breakdown_ms(fn: Callable, *, calls: int = 3, warmup: int = 2,
+                        top: int = 8) -> dict[int, dict]:
+  """Per GPU index, per call of a multi-GPU `fn()`: span (first start to
+  last end), busy (any kernel running), collective (NCCL kernels' union),
+  compute (other kernels' union), idle, and the `top` kernels by time."""
+  events = _device_events(fn, calls, warmup, with_device=True)
+  result = {}
+  for device in sorted({e[3] for e in events}):
+    mine = [e for e in events if e[3] == device]
+    collective = [e[:2] for e in mine if "nccl" in e[2].lower()]
+    compute = [e[:2] for e in mine if "nccl" not in e[2].lower()]
+    per_kernel = collections.defaultdict(float)
+    for start, end, name, _ in mine:
+      per_kernel[name[:80]] += (end - start) / 1e3 / calls
+    span = (max(e[1] for e in mine) - mine[0][0]) / 1e3 / calls
+    busy = _busy_us([e[:2] for e in mine]) / 1e3 / calls
+    result[device] = {
+        "span_ms": span, "busy_ms": busy, "idle_ms": span - busy,
+        "collective_ms": _busy_us(collective) / 1e3 / calls,
+        "compute_ms": _busy_us(compute) / 1e3 / calls,
+        "top_kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top])}
+  return result
+
+
 def timeline_ms(fn: Callable, *, calls: int = 3, warmup: int = 2) -> tuple[float, float]:
   """(span, idle) per call of `calls` back-to-back calls of `fn()`: from the
   first kernel's start to the last one's end, and the gaps in it where the
   device ran nothing (what a wall-clock timer adds beyond is host latency)."""
   events = _device_events(fn, calls, warmup)
   span = events[-1][1] - events[0][0]
-  busy, covered_to = 0.0, events[0][0]
-  for start, end, _ in events:  # union of the intervals: streams may overlap
-    busy += max(0.0, end - max(start, covered_to))
-    covered_to = max(covered_to, end)
+  busy = _busy_us([e[:2] for e in events])  # streams may overlap
   return span / 1e3 / calls, (span - busy) / 1e3 / calls
 
 
@@ -370,11 +402,15 @@ def default_out_dir(device_count: int = 1, small: bool = False) -> str:
   return os.path.join(tempfile.gettempdir() if small else RESULTS, folder)
 
 
+def results_path(args, benchmark: str, device_count: int = 1) -> str:
+  out = args.out or default_out_dir(device_count, args.small)
+  return os.path.join(out, benchmark + (f"_{args.tag}" if args.tag else "") + ".json")
+
+
 def finish(args, benchmark: str, rows: list[Row], ratios: list = (), *, env: dict | None = None,
            notes: str = "", device_count: int = 1) -> str:
   """Writes the results file, then prints the ratios and a short table last."""
-  out = args.out or default_out_dir(device_count, args.small)
-  path = os.path.join(out, benchmark + (f"_{args.tag}" if args.tag else "") + ".json")
+  path = results_path(args, benchmark, device_count)
   bench.write_results(path, benchmark, rows, ratios, env=env, notes=notes, small=args.small)
   print(f"\nwrote {path}")
   reasons = collections.Counter((r.impl, r.note) for r in rows if r.time_ms is None and r.note)

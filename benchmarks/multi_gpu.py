@@ -1,17 +1,24 @@
-"""How much faster is context-parallel ring attention over all local GPUs
-than one GPU, and what does it hold per GPU?
+"""How much faster are context-parallel ring attention and sharded decoding
+over several GPUs of one host than one GPU, and what do they hold per GPU?
 
-    python benchmarks/multi_gpu.py [--seqs 65536 131072]
+    python benchmarks/multi_gpu.py [--seqs 131072 262144] [--devices 1 2 4]
+        [--decode-seqs 1048576 2097152] [--profile]
 
-Causal softmax, bf16, d 128, Hq = Hkv = 16, batch 1: `context_parallel_attention`
-with the sequence split over every local GPU (zigzag, the default for causal
-masks) against `attention` on one GPU at the same total length; forward, and
-forward+backward (q, k, v). By throughput; the speedup is one GPU's time over
-the ring's. Memory per GPU: the compiled program's arguments, temporaries and
-outputs (per device under SPMD) and the measured peak, each configuration in a
-process of its own so that peaks do not carry over (this one leaves the GPUs
-alone). NVLink multicast stays off (NCCL_NVLS_ENABLE=0). `--small` runs on
-two simulated CPU devices. Writes `multi_gpu.json` to `--out`.
+Ring: causal softmax, bf16, d 128, Hq = Hkv = 16, batch 1:
+`context_parallel_attention` with the sequence split over the first n local
+GPUs (zigzag, the default for causal masks) against `attention` on one GPU at
+the same total length; forward, and forward+backward (q, k, v). Decoding: one
+query token, B1 Hq 32 / Hkv 8 d 128 bf16 over a cache of S keys:
+`sharded_decode_attention` with the cache's sequence split over n GPUs against
+`decode_attention` on one; GB/s per GPU count the K/V bytes each reads.
+By throughput; speedups are one GPU's time over n GPUs'. Memory per GPU: the
+compiled program's arguments, temporaries and outputs (per device under SPMD)
+and the measured peak, each configuration in a process of its own so that
+peaks do not carry over (this one leaves the GPUs alone). `--profile` adds
+each GPU's kernel, collective and idle time per call (PyTorch's CUPTI
+profiler; ring and decoding, whose multi-GPU throughput can be bound by the
+host's dispatch of one program per GPU). NVLink multicast stays off (NCCL_NVLS_ENABLE=0). `--small` runs
+on two simulated CPU devices. Writes `multi_gpu.json` to `--out`.
 """
 from __future__ import annotations
 
@@ -29,93 +36,180 @@ import harness  # noqa: E402
 from pallas_attn import bench  # noqa: E402
 from pallas_attn.bench import Row  # noqa: E402
 
-ONE_GPU, RING = "pallas_attn", "ring"
 SMALL_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+DECODE_HEADS, DECODE_KV_HEADS = 32, 8
 
 
-def measure(side: str, seq: int, heads: int, d: int) -> dict:
-  """Environment, then per mode: ms, TFLOP/s and bytes per GPU of one side."""
+def impl_name(kind: str, devices: int) -> str:
+  if devices == 1:
+    return "pallas_attn" if kind == "ring" else "decode"
+  return f"{kind}_{devices}gpu"
+
+
+def _setup(devices: int):
+  """(devices, sharding of a [B, S, ...] array split over S on them, mesh or None)."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+  chosen = jax.local_devices()[:devices]
+  if len(chosen) < devices:
+    raise ValueError(f"{devices} devices asked, {len(chosen)} local")
+  if devices == 1:
+    return chosen, jax.sharding.SingleDeviceSharding(chosen[0]), None
+  mesh = jax.make_mesh((devices,), ("seq",), devices=chosen)
+  return chosen, NamedSharding(mesh, PartitionSpec(None, "seq")), mesh
+
+
+def _random(shapes, sharding, seed: int):
+  """Normal bf16 arrays created in place with their sharding."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
+  return jax.jit(lambda key: tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(
+      jax.random.split(key, len(shapes)), shapes)), out_shardings=(sharding,) * len(shapes))(
+      jax.random.key(seed))
+
+
+def _memory(compiled, devices) -> dict:
+  stats = compiled.memory_analysis()
+  return {"compiled_bytes_per_gpu": int(stats.argument_size_in_bytes + stats.temp_size_in_bytes
+                                        + stats.output_size_in_bytes),
+          "peak_bytes_per_gpu": [int((x.memory_stats() or {}).get("peak_bytes_in_use", 0))
+                                 for x in devices]}
+
+
+def _profile(call, devices, calls: int = 3) -> list:
+  """Per GPU, per call: span, busy, collective, compute and idle ms, top kernels."""
+  per_device = harness.device_breakdown_ms(call, calls=calls)
+  return [per_device.get(i, {}) for i in range(len(devices))]
+
+
+def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool) -> dict:
+  """Per mode: ms, TFLOP/s and bytes per GPU of the ring over `devices` GPUs
+  (one GPU: `attention`)."""
+  import jax
 
   import pallas_attn as pa
-  from pallas_attn import bench
   from pallas_attn.schedule.timing import attention_flops, median_time_ms
   causal = pa.variants.causal().mask_mod
-  devices = jax.local_devices() if side == RING else jax.local_devices()[:1]
-  if side == RING:
-    mesh = jax.make_mesh((len(devices),), ("seq",), devices=devices)
-    sharding = NamedSharding(mesh, PartitionSpec(None, "seq"))
+  chosen, sharding, mesh = _setup(devices)
+  if mesh is None:
+    attention = lambda q, k, v: pa.attention(q, k, v, mask_mod=causal)
+  else:
     attention = lambda q, k, v: pa.context_parallel_attention(q, k, v, mesh=mesh, seq_axis="seq",
                                                               mask_mod=causal)
-  else:
-    sharding = jax.sharding.SingleDeviceSharding(devices[0])
-    attention = lambda q, k, v: pa.attention(q, k, v, mask_mod=causal)
-
-  def inputs(key):  # created in place with their sharding
-    return jax.jit(lambda key: tuple(jax.random.normal(k, (1, seq, heads, d), jnp.bfloat16)
-                                     for k in jax.random.split(key, 3)),
-                   out_shardings=(sharding,) * 3)(key)
-  q, k, v = inputs(jax.random.key(0))
-  cotangent = inputs(jax.random.key(1))[0]
+  q, k, v, cotangent = _random([(1, seq, heads, d)] * 4, sharding, 0)
 
   def step(q, k, v, d_out):
     return jax.vjp(attention, q, k, v)[1](d_out)
-  result = {"environment": bench.environment(), "devices": len(devices)}
+  result = {"environment": bench.environment(), "devices": devices}
   for mode, fn, args in (("fwd", attention, (q, k, v)), ("fwd_bwd", step, (q, k, v, cotangent))):
     compiled = jax.jit(fn).lower(*args).compile()
     ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5)
-    stats = compiled.memory_analysis()
     flops = attention_flops(1, heads, seq, seq, d, d, density=(seq + 1) / (2 * seq), mode=mode)
-    result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, "compiled_bytes_per_gpu": int(
-        stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes),
-        "peak_bytes_per_gpu": [int((x.memory_stats() or {}).get("peak_bytes_in_use", 0))
-                               for x in devices]}
+    result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, **_memory(compiled, chosen)}
+    if profile and mesh is not None:
+      result[mode]["profile"] = _profile(lambda: compiled(*args), chosen)
   return result
 
 
-def run_one(side: str, seq: int, args) -> dict:
-  """`measure` in a fresh process (its own memory peaks), or the error's last lines."""
-  command = [sys.executable, __file__, "--one", side, str(seq), "--heads", str(args.heads),
-             "--d", str(args.d)]
+def measure_decode(devices: int, seq: int, d: int, profile: bool) -> dict:
+  """ms, GB/s per GPU and bytes per GPU of decoding one token over a cache
+  of `seq` keys split over `devices` GPUs (one GPU: `decode_attention`)."""
+  import jax
+  import jax.numpy as jnp
+
+  import pallas_attn as pa
+  from pallas_attn.schedule.timing import median_time_ms
+  chosen, sharding, mesh = _setup(devices)
+  cache = (1, seq, DECODE_KV_HEADS, d)
+  k, v = _random([cache, cache], sharding, 0)
+  replicated = chosen[0] if mesh is None else jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec())
+  q = jax.device_put(jax.random.normal(jax.random.key(1), (1, 1, DECODE_HEADS, d), jnp.bfloat16),
+                     replicated)
+  lengths = jax.device_put(jnp.full((1,), seq, jnp.int32), replicated)
+  if mesh is None:
+    fn = pa.decode_attention
+  else:
+    fn = lambda q, k, v, lengths: pa.sharded_decode_attention(q, k, v, lengths, mesh=mesh,
+                                                              axis_name="seq")
+  compiled = jax.jit(fn).lower(q, k, v, lengths).compile()
+  call = lambda: compiled(q, k, v, lengths)
+  ms = median_time_ms(call, warmup=3, reps=10)
+  gbytes_per_gpu = 2 * seq * DECODE_KV_HEADS * d * 2 / devices / 1e9
+  cell = {"ms": ms, "gb_s": gbytes_per_gpu / ms * 1e3, **_memory(compiled, chosen)}
+  if profile:
+    cell["profile"] = _profile(call, chosen, calls=20)
+  return {"environment": bench.environment(), "devices": devices, "decode": cell}
+
+
+def run_one(kind: str, devices: int, seq: int, args) -> dict:
+  """One measurement in a fresh process (its own memory peaks), or the error's last lines."""
+  command = [sys.executable, __file__, "--one", kind, str(devices), str(seq), "--heads",
+             str(args.heads), "--d", str(args.d)] + (["--profile"] if args.profile else [])
   env = dict(os.environ, **(SMALL_ENV if args.small else {}))
   proc = subprocess.run(command, capture_output=True, text=True, env=env)
   lines = proc.stdout.strip().splitlines()
   if proc.returncode or not lines:
-    return {"error": " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])}
+    said = [line for line in (proc.stderr + proc.stdout).strip().splitlines()
+            if line.strip() and "warn" not in line.lower()]
+    return {"error": f"exit status {proc.returncode}: " + " | ".join(said[-6:])}
   return json.loads(lines[-1])
+
+
+def _rows(kind: str, seq: int, devices: int, result: dict) -> list[Row]:
+  name = f"{'causal' if kind == 'ring' else 'decode'}_{bench.seq_name(seq)}"
+  impl = impl_name(kind, devices)
+  rows = []
+  for mode in (("fwd", "fwd_bwd") if kind == "ring" else ("decode",)):
+    if "error" in result:
+      rows.append(Row(name, impl, mode, None, note=result["error"][-200:]))
+      continue
+    cell = dict(result[mode])
+    ms = cell.pop("ms")
+    rows.append(Row(name, impl, mode, ms, tflops=cell.pop("tflops", None),
+                    gb_s=cell.pop("gb_s", None), extra={"devices": devices, **cell}))
+  return rows
 
 
 def main(argv=None):
   parser = harness.parser(__doc__.splitlines()[0], rounds=0)
-  parser.add_argument("--seqs", type=int, nargs="+", default=[65536, 131072])
+  parser.add_argument("--seqs", type=int, nargs="*", default=[131072, 262144])
+  parser.add_argument("--decode-seqs", type=int, nargs="*", default=[1048576, 2097152])
+  parser.add_argument("--devices", type=int, nargs="+", default=None,
+                      help="GPU counts to run on (default: 1, 2 and all local GPUs)")
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--d", type=int, default=128)
-  parser.add_argument("--one", nargs=2, metavar=("SIDE", "SEQ"), help=argparse.SUPPRESS)
+  parser.add_argument("--profile", action="store_true",
+                      help="per-GPU kernel / collective / idle time of each call")
+  parser.add_argument("--one", nargs=3, metavar=("KIND", "DEVICES", "SEQ"),
+                      help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.one:
-    print(json.dumps(measure(args.one[0], int(args.one[1]), args.heads, args.d)))
+    kind, devices, seq = args.one[0], int(args.one[1]), int(args.one[2])
+    if kind == "ring":
+      print(json.dumps(measure_ring(devices, seq, args.heads, args.d, args.profile)))
+    else:
+      print(json.dumps(measure_decode(devices, seq, args.d, args.profile)))
     return
   if args.small:
-    args.seqs, args.heads, args.d = [512], 2, 32
+    args.seqs, args.decode_seqs, args.heads, args.d, args.devices = [512], [1024], 2, 32, [1, 2]
+  if args.devices is None:
+    import jax
+    args.devices = sorted({1, 2, len(jax.local_devices())})
   rows, env = [], None
-  for seq in args.seqs:
-    name = f"causal_{bench.seq_name(seq)}"
-    for side in (ONE_GPU, RING):
-      result = run_one(side, seq, args)
-      env = env or result.pop("environment", None)
-      for mode in ("fwd", "fwd_bwd"):
-        if "error" in result:
-          rows.append(Row(name, side, mode, None, note=result["error"][-200:]))
-          continue
-        cell = result[mode]
-        rows.append(Row(name, side, mode, cell["ms"], tflops=cell["tflops"], extra={
-            "devices": result["devices"], **{k: cell[k] for k in (
-                "compiled_bytes_per_gpu", "peak_bytes_per_gpu")}}))
-  ring = next((r.extra["devices"] for r in rows if r.impl == RING and r.time_ms), 1)
-  harness.finish(args, "multi_gpu", rows, env=env, device_count=ring,
-                 notes="NCCL_NVLS_ENABLE=0; speedup = pallas_attn ms / ring ms")
+  notes = "NCCL_NVLS_ENABLE=0; speedup = one GPU's ms / n GPUs' ms"
+  for kind, seqs in (("ring", args.seqs), ("decode", args.decode_seqs)):
+    for seq in seqs:
+      for devices in args.devices:
+        result = run_one(kind, devices, seq, args)
+        env = env or result.pop("environment", None)
+        rows += _rows(kind, seq, devices, result)
+        print(" | ".join(f"{r.case} {r.impl} {r.mode} {r.time_ms or r.note[:80]}"
+                         for r in rows[-2:] if r.impl == impl_name(kind, devices)), flush=True)
+        if env:  # what is measured so far survives a time limit
+          bench.write_results(harness.results_path(args, "multi_gpu", max(args.devices)),
+                              "multi_gpu", rows, env=env, notes=notes, small=args.small)
+  harness.finish(args, "multi_gpu", rows, env=env, device_count=max(args.devices), notes=notes)
 
 
 if __name__ == "__main__":
