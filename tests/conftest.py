@@ -1,4 +1,6 @@
 """Shared test helpers: run modes, random inputs, error metrics."""
+import functools
+import math
 import sys
 
 import jax
@@ -70,8 +72,24 @@ def assert_missing_extra_fails(monkeypatch, framework: str):
     getattr(pallas_attn.layers, framework)
 
 
-def random(shape, dtype=jnp.float32, seed=0):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw(seed, size, distribution):
+  return getattr(jax.random, distribution)(jax.random.PRNGKey(seed), (size,), jnp.float32)
+
+
+def random(shape, dtype=jnp.float32, seed=0, distribution="normal"):
+  """`jax.random.normal(PRNGKey(seed), shape, float32)` (or `uniform`) cast to
+  `dtype`, the same values, taken as the first elements of a draw of a
+  power-of-two size: with partitionable threefry (JAX's default) element i of
+  a draw depends on i alone. One compiled draw then serves every shape up to
+  its size; a draw of each shape cost a compilation (about a second on CPU)
+  for each new shape in each process."""
+  if not jax.config.jax_threefry_partitionable:
+    key = jax.random.PRNGKey(seed)
+    return getattr(jax.random, distribution)(key, shape, jnp.float32).astype(dtype)
+  n = math.prod(shape)
+  flat = np.asarray(_draw(seed, max(1024, 1 << (n - 1).bit_length()), distribution))
+  return jnp.asarray(flat[:n].reshape(shape)).astype(dtype)
 
 
 def qkv(batch=2, seq_q=37, seq_kv=45, heads=4, kv_heads=2, d_qk=24, d_v=40,

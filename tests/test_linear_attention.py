@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random
 from pallas_attn.kernels.linear import reference
 from pallas_attn.kernels.linear.chunked_forward import (
     chunk_cumulative_log_decay, state_tile)
@@ -31,8 +32,7 @@ KINDS = ["none", "per_head", "scalar", "vector"]
 
 
 def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(
-      dtype)
+  return random(shape, dtype, seed)
 
 
 def _log_decay(kind, seed, d_feature=DK, seq_len=S, strength=1.0):
@@ -41,7 +41,7 @@ def _log_decay(kind, seed, d_feature=DK, seq_len=S, strength=1.0):
            "vector": (B, seq_len, H, d_feature)}[kind]
   if shape is None:
     return None
-  u = jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32)
+  u = random(shape, seed=seed, distribution="uniform")
   return -strength * (0.01 + 0.99 * u)
 
 
@@ -264,8 +264,7 @@ def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
   q, k = _normal(40, shape + (d_k,)), _normal(41, shape + (d_k,))
   v = _normal(42, shape + (d_v,))
   state = _normal(43, (1, 1, d_k, d_v))
-  u = jax.random.uniform(jax.random.PRNGKey(44),
-                         shape + ((d_k,) if kind == "vector" else ()))
+  u = random(shape + ((d_k,) if kind == "vector" else ()), seed=44, distribution="uniform")
   log_decay = -(0.01 + 0.99 * u)
   call = lambda q, k, v, g, s: linear_attention(
       q, k, v, log_decay=g, initial_state=s, return_final_state=True,
