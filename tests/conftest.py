@@ -1,13 +1,34 @@
 """Shared test helpers: run modes, random inputs, error metrics."""
 import functools
+import importlib.metadata
+import importlib.util
 import math
+import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-from hypothesis import strategies as st
+
+def _cpu_only() -> bool:
+  """JAX can compile for the CPU alone: JAX_PLATFORMS=cpu, or no accelerator
+  plugin installed (CUDA and ROCm come as `jax_plugins`)."""
+  if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    return True
+  return (importlib.util.find_spec("jax_plugins") is None
+          and not importlib.metadata.entry_points(group="jax_plugins"))
+
+
+# Interpret-mode kernels are large XLA CPU programs that run for milliseconds on the
+# tests' shapes: LLVM's optimizations took about half of their compilation time and
+# bought nothing. XLA reads the flag when JAX starts its backends (ON_GPU below), in
+# each pytest-xdist worker; test_distributed.py passes it on to its subprocesses.
+if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 
