@@ -37,6 +37,21 @@ MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 
 
+def modes(cases: dict, interpreted) -> list:
+  """Parameters `(*case, interpret)` for `cases` ({id: argument tuple}): every case
+  compiled (`gpu`), those named in `interpreted` also in interpret mode. In interpret
+  mode a kernel compilation per case is most of a test's time, and cases that take
+  the same path through the kernels as another add nothing there."""
+  unknown = set(interpreted) - set(cases)
+  assert not unknown, unknown
+  params = []
+  for name, case in cases.items():
+    if name in interpreted:
+      params.append(pytest.param(*case, True, id=f"{name}-interpret"))
+    params.append(pytest.param(*case, False, id=f"{name}-compiled", marks=pytest.mark.gpu))
+  return params
+
+
 @pytest.fixture(params=MODES)
 def default_mode(request, monkeypatch):
   """MODES for code that passes no `interpret` (the layers, the example):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 
 import pallas_attn as pa
 import test_attention_forward as forward_tests
-from conftest import MODES, RANDOM_SHAPES, TOLERANCE, assert_close, qkv, random
+from conftest import MODES, RANDOM_SHAPES, TOLERANCE, assert_close, modes, qkv, random
 
 SMALL = pa.AttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=1)
 HEADS = 4
@@ -159,10 +159,17 @@ def test_fully_masked_rows_get_zero_gradients(rownorm, interpret):
   np.testing.assert_array_equal(np.asarray(dv[:, 40:]), 0.0)
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
+LAYOUT_CASES = {f"{layout}-{dtype_id}": (dtype, 4, kv_heads)
+                for layout, kv_heads in (("mha", 4), ("mqa", 1))
+                for dtype_id, dtype in (("fp32", jnp.float32), ("bf16", jnp.bfloat16))}
+
+
+# Interpret mode: both layouts in float32, bfloat16 in MQA (four query heads' dk/dv
+# summed into one kv head); the dtype's handling does not depend on the layout.
+@pytest.mark.parametrize("dtype,heads,kv_heads,interpret",
+                         modes(LAYOUT_CASES, ["mha-fp32", "mqa-fp32", "mqa-bf16"]))
 def test_dtypes_and_head_layouts(dtype, heads, kv_heads, interpret):
+  """Causal gradients (and their dtype) for the head layout and dtype."""
   q, k, v = qkv(heads=heads, kv_heads=kv_heads, dtype=dtype)
   check_gradients(q, k, v, dtype=dtype, factor=2.0, interpret=interpret,
                   make_kwargs=lambda c: dict(mask_mod=CAUSAL))
