@@ -72,10 +72,8 @@ def random_features(x):
   return jnp.concatenate([jnp.cos(proj), jnp.sin(proj)], -1)
 
 
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kind", KINDS)
-def test_forward_matches_reference(kind, dtype, interpret):
+def _check_forward(kind, dtype, interpret):
+  """Output and final state (values, dtypes, shapes) against the reference."""
   q, k, v = _inputs(dtype)
   log_decay = _log_decay(kind, 3)
   state = _normal(4, (B, H, DK, DV))
@@ -88,6 +86,26 @@ def test_forward_matches_reference(kind, dtype, interpret):
   assert final.dtype == jnp.float32 and final.shape == (B, H, DK, DV)
   assert_close(o, o_ref, TOL[dtype], "o")
   assert_close(final, final_ref, TOL[dtype], "final state")
+
+
+def _has_gradient_test(kind, dtype, interpret):
+  """test_gradients_match_reference runs this case (and checks its forward too)."""
+  return not (dtype == jnp.bfloat16 and kind in ("none", "per_head") and interpret)
+
+
+# Compiled, every case; in interpret mode the cases without a gradient test only: the
+# gradient test checks the others' forward with the same call (its kernels compiled anyway).
+FORWARD_CASES = [
+    pytest.param(kind, dtype, interpret, id=f"{kind}-{jnp.dtype(dtype).name}-{interpret}",
+                 marks=() if interpret else pytest.mark.gpu)
+    for kind in KINDS for dtype in (jnp.float32, jnp.bfloat16) for interpret in (True, False)
+    if not (interpret and _has_gradient_test(kind, dtype, interpret))]
+
+
+@pytest.mark.parametrize("kind,dtype,interpret", FORWARD_CASES)
+def test_forward_matches_reference(kind, dtype, interpret):
+  """Output and final state against the reference."""
+  _check_forward(kind, dtype, interpret)
 
 
 def _loss_weights(o_shape, state_shape):
@@ -109,8 +127,11 @@ def _grads(fn, args, argnums, o_shape, state_shape):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_match_reference(kind, dtype, interpret):
-  if dtype == jnp.bfloat16 and kind in ("none", "per_head") and interpret:
+  """Output, final state and gradients (q, k, v, initial state, log decay)
+  against the reference."""
+  if not _has_gradient_test(kind, dtype, interpret):
     pytest.skip("bf16 gradients run for the scalar and vector kernels only")
+  _check_forward(kind, dtype, interpret)
   q, k, v = _inputs(dtype)
   log_decay = _log_decay(kind, 3)
   state = _normal(4, (B, H, DK, DV))
