@@ -37,9 +37,9 @@ def test_distributed_on_four_cpu_devices(group):
   """Interpret-mode kernels on 4 CPU devices (XLA_FLAGS before JAX starts);
   the checks whose names contain `group`, one subprocess per group so that
   pytest-xdist spreads them."""
-  _run_checks("--only", group,
-              env_update={"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                          "JAX_PLATFORMS": "cpu"})
+  flags = [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4"]
+  _run_checks("--only", group, env_update={"XLA_FLAGS": " ".join(filter(None, flags)),
+                                           "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.gpu
