@@ -9,8 +9,6 @@ the live key blocks a sliding window leaves each shard.
 """
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +21,9 @@ from pallas_attn.decode import _consts
 from pallas_attn.distributed.sharded_decode import _global_variant
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.mask_bounds import live_kv_blocks
+from test_distributed import run_check_script
 
 CHECKS = pathlib.Path(__file__).with_name("sharded_decode_checks.py")
-REPO = CHECKS.parent.parent
 CONFIG = pa.DecodeConfig(block_k=16, num_splits=1)
 
 
@@ -33,13 +31,9 @@ CONFIG = pa.DecodeConfig(block_k=16, num_splits=1)
 def test_sharded_decode_on_cpu_devices(devices):
   """Every check of sharded_decode_checks.py on `devices` CPU devices
   (XLA_FLAGS before JAX starts), one subprocess per device count."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-      XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, str(CHECKS)], env=env, capture_output=True,
-                          text=True, timeout=900)
-  print(result.stdout)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+  flags = [os.environ.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={devices}"]
+  run_check_script(CHECKS, env_update={"XLA_FLAGS": " ".join(filter(None, flags)),
+                                       "JAX_PLATFORMS": "cpu"})
 
 
 def _inputs(seq=32, seq_q=2, batch=2):
