@@ -119,13 +119,15 @@ def random(shape, dtype=jnp.float32, seed=0, distribution="normal"):
   power-of-two size: with partitionable threefry (JAX's default) element i of
   a draw depends on i alone. One compiled draw then serves every shape up to
   its size; a draw of each shape cost a compilation (about a second on CPU)
-  for each new shape in each process."""
-  if not jax.config.jax_threefry_partitionable:
-    key = jax.random.PRNGKey(seed)
-    return getattr(jax.random, distribution)(key, shape, jnp.float32).astype(dtype)
-  n = math.prod(shape)
-  flat = np.asarray(_draw(seed, max(1024, 1 << (n - 1).bit_length()), distribution))
-  return jnp.asarray(flat[:n].reshape(shape)).astype(dtype)
+  for each new shape in each process. Inside a trace (a jitted or differentiated
+  loss) the draw is still made eagerly, and enters the trace as a constant."""
+  with jax.ensure_compile_time_eval():
+    if not jax.config.jax_threefry_partitionable:
+      key = jax.random.PRNGKey(seed)
+      return getattr(jax.random, distribution)(key, shape, jnp.float32).astype(dtype)
+    n = math.prod(shape)
+    flat = np.asarray(_draw(seed, max(1024, 1 << (n - 1).bit_length()), distribution))
+    return jnp.asarray(flat[:n].reshape(shape)).astype(dtype)
 
 
 def qkv(batch=2, seq_q=37, seq_kv=45, heads=4, kv_heads=2, d_qk=24, d_v=40,
