@@ -1,17 +1,55 @@
 """Shared test helpers: run modes, random inputs, error metrics."""
+import functools
+import importlib.metadata
+import importlib.util
+import math
+import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-from hypothesis import strategies as st
+
+def _cpu_only() -> bool:
+  """JAX can compile for the CPU alone: JAX_PLATFORMS=cpu, or no accelerator
+  plugin installed (CUDA and ROCm come as `jax_plugins`)."""
+  if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    return True
+  return (importlib.util.find_spec("jax_plugins") is None
+          and not importlib.metadata.entry_points(group="jax_plugins"))
+
+
+# Interpret-mode kernels are large XLA CPU programs that run for milliseconds on the
+# tests' shapes: LLVM's optimizations took about half of their compilation time and
+# bought nothing. XLA reads the flag when JAX starts its backends (ON_GPU below), in
+# each pytest-xdist worker; test_distributed.py passes it on to its subprocesses.
+if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 
 # Every kernel test runs in interpret mode (CPU, CI) and compiled (GPU only).
 MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+
+
+def modes(cases: dict, interpreted) -> list:
+  """Parameters `(*case, interpret)` for `cases` ({id: argument tuple}): every case
+  compiled (`gpu`), those named in `interpreted` also in interpret mode. In interpret
+  mode a kernel compilation per case is most of a test's time, and cases that take
+  the same path through the kernels as another add nothing there."""
+  unknown = set(interpreted) - set(cases)
+  assert not unknown, unknown
+  params = []
+  for name, case in cases.items():
+    if name in interpreted:
+      params.append(pytest.param(*case, True, id=f"{name}-interpret"))
+    params.append(pytest.param(*case, False, id=f"{name}-compiled", marks=pytest.mark.gpu))
+  return params
 
 
 @pytest.fixture(params=MODES)
@@ -70,8 +108,26 @@ def assert_missing_extra_fails(monkeypatch, framework: str):
     getattr(pallas_attn.layers, framework)
 
 
-def random(shape, dtype=jnp.float32, seed=0):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw(seed, size, distribution):
+  return getattr(jax.random, distribution)(jax.random.PRNGKey(seed), (size,), jnp.float32)
+
+
+def random(shape, dtype=jnp.float32, seed=0, distribution="normal"):
+  """`jax.random.normal(PRNGKey(seed), shape, float32)` (or `uniform`) cast to
+  `dtype`, the same values, taken as the first elements of a draw of a
+  power-of-two size: with partitionable threefry (JAX's default) element i of
+  a draw depends on i alone. One compiled draw then serves every shape up to
+  its size; a draw of each shape cost a compilation (about a second on CPU)
+  for each new shape in each process. Inside a trace (a jitted or differentiated
+  loss) the draw is still made eagerly, and enters the trace as a constant."""
+  with jax.ensure_compile_time_eval():
+    if not jax.config.jax_threefry_partitionable:
+      key = jax.random.PRNGKey(seed)
+      return getattr(jax.random, distribution)(key, shape, jnp.float32).astype(dtype)
+    n = math.prod(shape)
+    flat = np.asarray(_draw(seed, max(1024, 1 << (n - 1).bit_length()), distribution))
+    return jnp.asarray(flat[:n].reshape(shape)).astype(dtype)
 
 
 def qkv(batch=2, seq_q=37, seq_kv=45, heads=4, kv_heads=2, d_qk=24, d_v=40,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_attn as pa
-from conftest import MODES, assert_close, qkv, random
+from conftest import MODES, assert_close, modes, qkv, random
 from pallas_attn.reference import dense_mask
 from test_attention_backward import SMALL, check_gradients
 
@@ -50,10 +50,19 @@ SCORE_MODS = {
 }
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("name", list(SCORE_MODS))
-@pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
+GATHER_CASES = {f"{'causal' if masked else 'dense'}-{name}": (name, masked)
+                for masked in (False, True) for name in SCORE_MODS}
+
+
+# Interpret mode: every table dense; causal, rel (its entries at q < kv are read by
+# masked positions only: zero gradient) and T5 (bucket 0 is read by masked and kept
+# positions: only the kept ones' gradient). The mask's handling does not depend on
+# the index's form.
+@pytest.mark.parametrize("name,masked,interpret", modes(GATHER_CASES, [
+    *(f"dense-{name}" for name in SCORE_MODS), "causal-rel", "causal-t5"]))
 def test_gathered_tables_forward_and_gradients(name, masked, interpret):
+  """Output and gradients (the gathered table's included) of a table read at a
+  computed index."""
   q, k, v = qkv()
   table = random(TABLES[name], seed=11)
   mask_mod = CAUSAL if masked else None
@@ -182,13 +191,17 @@ def test_other_reads_are_not_hoisted(score_mod):
 SLOPES, TABLE = random((HEADS,)), random((HEADS, 100))
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("name", list(DIAGONAL_MODS))
-@pytest.mark.parametrize("masked", [False, True], ids=["dense", "causal"])
+DIAGONAL_CASES = {f"{'causal' if masked else 'dense'}-{name}": (name, masked)
+                  for masked in (False, True) for name in DIAGONAL_MODS}
+
+
+@pytest.mark.parametrize("name,masked,interpret", modes(DIAGONAL_CASES, [
+    *(f"dense-{name}" for name in DIAGONAL_MODS), "causal-rel", "causal-t5"]))
 def test_diagonal_terms_forward_and_gradients(name, masked, interpret):
   """q, k and v differentiated: forward and backward read the hoisted vector
   (the table's own gradient, in test_gathered_tables_forward_and_gradients,
-  takes the per-position reads)."""
+  takes the per-position reads). Interpret mode: every term dense, two causal
+  (the hoisted vector is read the same way in partially masked tiles)."""
   q, k, v = qkv()
   table = random(TABLES.get(TABLE_OF.get(name, name), (1,)), seed=11)
   kwargs = dict(score_mod=DIAGONAL_MODS[name](table), mask_mod=CAUSAL if masked else None)

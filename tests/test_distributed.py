@@ -22,11 +22,13 @@ CHECKS = pathlib.Path(__file__).with_name("distributed_checks.py")
 REPO = CHECKS.parent.parent
 
 
-def _run_checks(*args, env_update=None, timeout=900):
+def run_check_script(script, *args, env_update=None, timeout=900):
+  """Runs a checks script in a subprocess (the repository on PYTHONPATH,
+  `env_update` over this process' environment); fails with its output."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
   env.update(env_update or {})
-  result = subprocess.run([sys.executable, str(CHECKS), *args], env=env, capture_output=True,
+  result = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
   print(result.stdout)
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
@@ -37,16 +39,16 @@ def test_distributed_on_four_cpu_devices(group):
   """Interpret-mode kernels on 4 CPU devices (XLA_FLAGS before JAX starts);
   the checks whose names contain `group`, one subprocess per group so that
   pytest-xdist spreads them."""
-  _run_checks("--only", group,
-              env_update={"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                          "JAX_PLATFORMS": "cpu"})
+  flags = [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4"]
+  run_check_script(CHECKS, "--only", group,
+                   env_update={"XLA_FLAGS": " ".join(filter(None, flags)), "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_distributed_compiled_on_local_gpus():
   """Compiled kernels over every local GPU (NVLink multicast left off)."""
-  _run_checks("--compiled", env_update={"NCCL_NVLS_ENABLE": "0"})
+  run_check_script(CHECKS, "--compiled", env_update={"NCCL_NVLS_ENABLE": "0"})
 
 
 @pytest.mark.gpu

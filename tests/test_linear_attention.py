@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random
 from pallas_attn.kernels.linear import reference
 from pallas_attn.kernels.linear.chunked_forward import (
     chunk_cumulative_log_decay, state_tile)
@@ -31,8 +32,7 @@ KINDS = ["none", "per_head", "scalar", "vector"]
 
 
 def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(
-      dtype)
+  return random(shape, dtype, seed)
 
 
 def _log_decay(kind, seed, d_feature=DK, seq_len=S, strength=1.0):
@@ -41,7 +41,7 @@ def _log_decay(kind, seed, d_feature=DK, seq_len=S, strength=1.0):
            "vector": (B, seq_len, H, d_feature)}[kind]
   if shape is None:
     return None
-  u = jax.random.uniform(jax.random.PRNGKey(seed), shape, jnp.float32)
+  u = random(shape, seed=seed, distribution="uniform")
   return -strength * (0.01 + 0.99 * u)
 
 
@@ -72,10 +72,8 @@ def random_features(x):
   return jnp.concatenate([jnp.cos(proj), jnp.sin(proj)], -1)
 
 
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kind", KINDS)
-def test_forward_matches_reference(kind, dtype, interpret):
+def _check_forward(kind, dtype, interpret):
+  """Output and final state (values, dtypes, shapes) against the reference."""
   q, k, v = _inputs(dtype)
   log_decay = _log_decay(kind, 3)
   state = _normal(4, (B, H, DK, DV))
@@ -88,6 +86,26 @@ def test_forward_matches_reference(kind, dtype, interpret):
   assert final.dtype == jnp.float32 and final.shape == (B, H, DK, DV)
   assert_close(o, o_ref, TOL[dtype], "o")
   assert_close(final, final_ref, TOL[dtype], "final state")
+
+
+def _has_gradient_test(kind, dtype, interpret):
+  """test_gradients_match_reference runs this case (and checks its forward too)."""
+  return not (dtype == jnp.bfloat16 and kind in ("none", "per_head") and interpret)
+
+
+# Compiled, every case; in interpret mode the cases without a gradient test only: the
+# gradient test checks the others' forward with the same call (its kernels compiled anyway).
+FORWARD_CASES = [
+    pytest.param(kind, dtype, interpret, id=f"{kind}-{jnp.dtype(dtype).name}-{interpret}",
+                 marks=() if interpret else pytest.mark.gpu)
+    for kind in KINDS for dtype in (jnp.float32, jnp.bfloat16) for interpret in (True, False)
+    if not (interpret and _has_gradient_test(kind, dtype, interpret))]
+
+
+@pytest.mark.parametrize("kind,dtype,interpret", FORWARD_CASES)
+def test_forward_matches_reference(kind, dtype, interpret):
+  """Output and final state against the reference."""
+  _check_forward(kind, dtype, interpret)
 
 
 def _loss_weights(o_shape, state_shape):
@@ -109,8 +127,11 @@ def _grads(fn, args, argnums, o_shape, state_shape):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_match_reference(kind, dtype, interpret):
-  if dtype == jnp.bfloat16 and kind in ("none", "per_head") and interpret:
+  """Output, final state and gradients (q, k, v, initial state, log decay)
+  against the reference."""
+  if not _has_gradient_test(kind, dtype, interpret):
     pytest.skip("bf16 gradients run for the scalar and vector kernels only")
+  _check_forward(kind, dtype, interpret)
   q, k, v = _inputs(dtype)
   log_decay = _log_decay(kind, 3)
   state = _normal(4, (B, H, DK, DV))
@@ -264,8 +285,7 @@ def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
   q, k = _normal(40, shape + (d_k,)), _normal(41, shape + (d_k,))
   v = _normal(42, shape + (d_v,))
   state = _normal(43, (1, 1, d_k, d_v))
-  u = jax.random.uniform(jax.random.PRNGKey(44),
-                         shape + ((d_k,) if kind == "vector" else ()))
+  u = random(shape + ((d_k,) if kind == "vector" else ()), seed=44, distribution="uniform")
   log_decay = -(0.01 + 0.99 * u)
   call = lambda q, k, v, g, s: linear_attention(
       q, k, v, log_decay=g, initial_state=s, return_final_state=True,

@@ -3,14 +3,13 @@
 
 The multi-device checks (tests/sharded_decode_checks.py) need several
 devices from the start of JAX, so they run in a subprocess: on CPU with 4
-and with 8 host devices and interpret-mode kernels. The tests here run in
+and with 8 host devices and interpret-mode kernels, on a GPU machine
+compiled over every local GPU. The tests here run in
 this process: errors, a one-device mesh against `decode_attention`, and
 the live key blocks a sliding window leaves each shard.
 """
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,34 +22,26 @@ from pallas_attn.decode import _consts
 from pallas_attn.distributed.sharded_decode import _global_variant
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.mask_bounds import live_kv_blocks
+from test_distributed import run_check_script
 
 CHECKS = pathlib.Path(__file__).with_name("sharded_decode_checks.py")
-REPO = CHECKS.parent.parent
 CONFIG = pa.DecodeConfig(block_k=16, num_splits=1)
-
-
-def _run_checks(*args, env_update):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **env_update)
-  result = subprocess.run([sys.executable, str(CHECKS), *args], env=env, capture_output=True,
-                          text=True, timeout=900)
-  print(result.stdout)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
 
 
 @pytest.mark.parametrize("devices", [4, 8])
 def test_sharded_decode_on_cpu_devices(devices):
   """Every check of sharded_decode_checks.py on `devices` CPU devices
   (XLA_FLAGS before JAX starts), one subprocess per device count."""
-  _run_checks(env_update=dict(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                              JAX_PLATFORMS="cpu"))
+  flags = [os.environ.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={devices}"]
+  run_check_script(CHECKS, env_update={"XLA_FLAGS": " ".join(filter(None, flags)),
+                                       "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_sharded_decode_compiled_on_local_gpus():
   """Compiled kernels over every local GPU (NVLink multicast left off)."""
-  _run_checks("--compiled", env_update={"NCCL_NVLS_ENABLE": "0"})
+  run_check_script(CHECKS, "--compiled", env_update={"NCCL_NVLS_ENABLE": "0"})
 
 
 def _inputs(seq=32, seq_q=2, batch=2):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_attn as pa
-from conftest import MODES, assert_close, qkv, random
+from conftest import MODES, assert_close, modes, qkv, random
 from pallas_attn import variants as V
 from test_attention_backward import SMALL, check_gradients
 
@@ -26,10 +26,17 @@ def unshifted_sink_softmax(row):
   return e / (2.0 + jnp.sum(e, axis=-1, keepdims=True))
 
 
-@pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("mask_mod", [None, CAUSAL, WINDOW], ids=["dense", "causal", "window"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+SINK_CASES = {f"{dtype_id}-{mask_id}": (mask_mod, dtype)
+              for mask_id, mask_mod in (("dense", None), ("causal", CAUSAL), ("window", WINDOW))
+              for dtype_id, dtype in (("fp32", jnp.float32), ("bf16", jnp.bfloat16))}
+
+
+# Interpret mode: every mask in float32, bfloat16 with the window (masked keys and
+# rows): the dtype's handling does not depend on the mask.
+@pytest.mark.parametrize("mask_mod,dtype,interpret", modes(
+    SINK_CASES, ["fp32-dense", "fp32-causal", "fp32-window", "bf16-window"]))
 def test_per_head_sinks_forward_and_gradients(mask_mod, dtype, interpret):
+  """Output, lse and gradients (the sink logits' included) with per-head sinks."""
   q, k, v = qkv(dtype=dtype)
   sinks = 2.0 * random((q.shape[2],), seed=7)
   out, lse = pa.attention(q, k, v, sinks=sinks, mask_mod=mask_mod, config=SMALL,
