@@ -215,15 +215,20 @@ def test_bad_step_beta():
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("kind, chunk", [(kind, CHUNK) for kind in KINDS + ["per_head"]]
-                         + [("scalar", 64), ("vector", 64)])  # merges in T
+                         + [("scalar", 64), ("vector", 64),  # merges in T
+                            ("strong_vector", 32)])
 def test_gradients_match_scan(kind, chunk, interpret):
   """d/d(q, k, v, beta, log_decay, initial state) of a random functional of
-  o and the final state, against jax.grad of the scan reference."""
+  o and the final state, against jax.grad of the scan reference. Per-feature
+  decays pair a chunk's rows on the tensor cores around anchor rows; strong
+  ones (spans past SPLIT_SPAN within a row block) elementwise."""
   seq_len = 24 if chunk == CHUNK else 80
-  q, k, v, beta, log_decay = _inputs("none" if kind == "per_head" else kind,
-                                     seq_len=seq_len)
+  q, k, v, beta, log_decay = _inputs(
+      {"per_head": "none", "strong_vector": "vector"}.get(kind, kind), seq_len=seq_len)
   if kind == "per_head":
     log_decay = jnp.array([-0.2, -0.7])
+  if kind == "strong_vector":
+    log_decay = 4 * log_decay
   initial = random((B, H, DK, DV), seed=9)
   o_weights = random((B, seq_len, H, DV), seed=10)
   state_weights = random((B, H, DK, DV), seed=11)

@@ -19,8 +19,7 @@ backward is Pallas kernels too, in two steps:
    state: a chunk sees the decays of earlier ones only through its entering
    state, so these local gradients are the whole gradients. One program per
    chunk and head (`_gradient_kernel`) for all three decay kinds
-   (per-feature decays pair rows elementwise, as the template's
-   `diagonal_block` does).
+   (per-feature decays pair rows by `per_feature_pairs`).
 """
 from __future__ import annotations
 
@@ -34,9 +33,10 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, ChunkedSchedule, cumulative_log_decay, dense_decay,
-    diagonal_block, scale_rows, state_pass)
+    scale_rows, state_pass)
 from pallas_attn.kernels.linear.delta_rule import (
-    chunk_spec, delta_rule_forward, strictly_lower, wy_transform)
+    chunk_spec, delta_rule_forward, per_feature_pairs, strictly_lower,
+    wy_transform)
 
 # The gradient kernel holds a chunk's state and its cotangent ([Dk, Dv]
 # each) beside a dozen [C, D] float32 tiles: 8 warps spread them.
@@ -69,11 +69,10 @@ def _decayed_pairs(x, k_ref, g_ref, decay, *, vector: bool, mm,
   and given d_pairs (its cotangent) the gradients of x and k ([C, D]).
 
   decay: `dense_decay`'s masked decay matrix ("none"/"scalar"); per-feature
-  decays run the template's elementwise `diagonal_block` instead.
+  decays split around anchor rows instead (`per_feature_pairs`).
   """
   if vector:
-    return diagonal_block(x, g_ref[...], k_ref, g_ref, 0, x.shape[0],
-                          d_pairs)
+    return per_feature_pairs(x, k_ref, g_ref, x.shape[0], mm, d_pairs)
   k = k_ref[...].astype(jnp.float32)
   pairs = mm(x, k, trans_b=True) * decay
   if d_pairs is None:
@@ -165,7 +164,7 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   pairs = functools.partial(_decayed_pairs, k_ref=k_ref, g_ref=g_ref,
                             decay=decay, vector=vector, mm=mm)
   key_products, _, _ = pairs(k)
-  transform = wy_transform(key_products, beta)
+  transform = wy_transform(key_products, beta, fp32_exact=fp32_exact)
   keys_decayed = scale_rows(k, g)
   keys_to_end = scale_rows(k, g_to_end)
   values = mm(transform, beta * v) - mm(

@@ -13,8 +13,7 @@ and the chunk is then ordinary decayed linear attention with values U. So:
 
 1. `ut_transform`, all chunks in parallel (one program per chunk and head):
    L from the chunk's keys (a dense masked K K^T for the "none"/"scalar"
-   kinds, the template's elementwise `diagonal_block` for per-feature
-   decays), T by block forward substitution (`triangular.invert_unit_lower`),
+   kinds, `per_feature_pairs` for per-feature decays), T by block forward substitution (`triangular.invert_unit_lower`),
    then W and U~ by two products.
 2. The template's sequential state pass in its delta form
    (`state_pass(..., pseudo_keys=W)`): per chunk U = U~ - W S, stored, and
@@ -32,8 +31,9 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear.chunked_forward import (
-    ChunkedSchedule, LinearForwardTemplate, cumulative_log_decay, dense_decay,
-    diagonal_block, output_pass, scale_rows, state_pass)
+    SPLIT_SPAN, SUB_BLOCK, ChunkedSchedule, LinearForwardTemplate,
+    cumulative_log_decay, dense_decay, diagonal_block, masked_rescale,
+    output_pass, scale_rows, state_pass)
 from pallas_attn.kernels.linear.triangular import invert_unit_lower
 from pallas_attn.schedule.config import (LinearAttentionConfig, clamp_block,
                                          padded_head_dim)
@@ -46,14 +46,65 @@ def strictly_lower(chunk: int):
           > lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1))
 
 
-def wy_transform(key_products, beta):
+# Whether T's merge products are float32-exact for bf16/fp16 inputs too (T is
+# rounded to the inputs' dtype before use, so TF32's 10-bit mantissas suffice).
+EXACT_MERGES = False
+
+
+def wy_transform(key_products, beta, *, fp32_exact: bool):
   """T = (I + L)^-1 [C, C] float32, L = beta_i * key_products_ij below the
-  diagonal (key_products: the decayed K K^T; beta [C, 1]). In a kernel:
-  its merge products are float32-exact whatever the inputs' dtype."""
+  diagonal (key_products: the decayed K K^T; beta [C, 1]), in a kernel whose
+  inputs are float32 (`fp32_exact`: exact merge products) or narrower."""
   chunk = key_products.shape[0]
   return invert_unit_lower(
       jnp.where(strictly_lower(chunk), beta * key_products, 0.0),
-      matmul=functools.partial(backend.dot, fp32_exact=True))
+      matmul=functools.partial(backend.dot, fp32_exact=fp32_exact or EXACT_MERGES))
+
+
+def per_feature_pairs(x, k_ref, g_ref, chunk: int, mm, d_pairs=None):
+  """P_ij = sum_d x_id k_jd 2^(g_id - g_jd) for i >= j, else 0 ([C, C]),
+  for per-feature decays, and given d_pairs its x and k gradients ([C, D]).
+
+  The decay does not factor out of the sum over d, but around an anchor
+  row it splits into a row factor and a key factor: each `SUB_BLOCK`-row
+  block meets the keys before it (and its own) on the tensor cores, both
+  sides rescaled to the row before the block, as the template's output
+  pass does (`split_own_keys`). Where some block's decay spans more than
+  2^-SPLIT_SPAN, the own keys' factors could overflow: then the keys
+  before each block still go through the dots and the whole chunk is
+  paired elementwise instead (`diagonal_block`), one key row at a time.
+  """
+  x = x.astype(jnp.float32)
+  g, k = g_ref[...], k_ref[...].astype(jnp.float32)
+  rows = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+  causal = rows >= lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+  blocks = range(0, chunk, SUB_BLOCK)
+  anchors = [g_ref[max(start - 1, 0), :][None, :] for start in blocks]
+  span = functools.reduce(jnp.maximum, [
+      jnp.max(anchor - g_ref[start + SUB_BLOCK - 1, :][None, :])
+      for start, anchor in zip(blocks, anchors)])
+  split = (span <= SPLIT_SPAN).astype(jnp.int32)
+  pairs = jnp.zeros((chunk, chunk), jnp.float32)
+  dx = dk = jnp.zeros_like(x) if d_pairs is not None else None
+  for start, anchor in zip(blocks, anchors):
+    in_block = (rows >= start) & (rows < start + SUB_BLOCK)
+    keys_met = rows < start + split * SUB_BLOCK
+    x_side = masked_rescale(x, g - anchor, in_block)
+    k_side = masked_rescale(k, anchor - g, keys_met)
+    pairs += jnp.where(causal, mm(x_side, k_side, trans_b=True), 0.0)
+    if d_pairs is not None:
+      d_block = jnp.where(causal & in_block, d_pairs, 0.0)
+      dx += masked_rescale(mm(d_block, k_side), g - anchor, in_block)
+      dk += masked_rescale(mm(d_block.T, x_side), anchor - g, keys_met)
+  # Without the split: every pair of the chunk elementwise (the dots above
+  # then met only earlier blocks' keys, which the elementwise pass recounts).
+  elementwise = diagonal_block(x, g, k_ref, g_ref, 0, (1 - split) * chunk,
+                               d_pairs)
+  own = split.astype(jnp.float32)
+  pairs = own * pairs + elementwise[0]
+  if d_pairs is None:
+    return pairs, None, None
+  return pairs, own * dx + elementwise[1], own * dk + elementwise[2]
 
 
 def chunk_spec(chunk: int, width: int | None = None):
@@ -76,11 +127,11 @@ def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   if decay_kind == "vector":  # exp(g_id - g_jd) stays inside the sum over d
     g = g_ref[...]
-    products, _, _ = diagonal_block(k, g, k_ref, g_ref, 0, chunk)
+    products, _, _ = per_feature_pairs(k, k_ref, g_ref, chunk, mm)
   else:
     decay, g, _ = dense_decay(g_ref, chunk)
     products = mm(k, k, trans_b=True) * decay
-  transform = wy_transform(products, beta).astype(dtype)
+  transform = wy_transform(products, beta, fp32_exact=fp32_exact).astype(dtype)
   keys = beta * scale_rows(k.astype(jnp.float32), g)
   w_ref[...] = mm(transform, keys.astype(dtype)).astype(w_ref.dtype)
   values = beta * v_ref[...].astype(jnp.float32)
