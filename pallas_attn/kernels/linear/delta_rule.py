@@ -187,9 +187,11 @@ class DeltaRuleTemplate(LinearForwardTemplate):
   products with the whole state per chunk. On an H200 (2026-11-26, B4
   S4096 H16 Dk = Dv = 128, bf16, kernel time) 32-token chunks beat 64 for
   DeltaNet (forward 0.48 against 0.55 ms, forward+backward 2.4 against 4.8)
-  and Gated DeltaNet (0.51 / 0.59, 3.5 / 5.4); KDA's per-feature decays
-  pair rows elementwise, and there 64 won forward+backward (32 against 79
-  ms) though 32 won the forward (1.9 against 4.8 ms).
+  and Gated DeltaNet (0.51 / 0.59, 3.5 / 5.4). KDA's per-feature decays
+  pair rows around anchor rows on the tensor cores (`per_feature_pairs`);
+  there too 32 wins (forward 1.11 against 1.49 ms, forward+backward 14.1
+  ms), and 64's gradient kernel asks for 288 KiB of shared memory at d 128,
+  more than a Hopper SM has.
   """
 
   def __init__(self, name: str, chunk_size: int):
@@ -205,4 +207,4 @@ class DeltaRuleTemplate(LinearForwardTemplate):
 
 TEMPLATE = register(DeltaRuleTemplate("delta_rule_forward", 32))
 PER_FEATURE_TEMPLATE = register(
-    DeltaRuleTemplate("delta_rule_forward_per_feature_decay", 64))
+    DeltaRuleTemplate("delta_rule_forward_per_feature_decay", 32))
