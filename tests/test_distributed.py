@@ -44,6 +44,14 @@ def test_distributed_on_four_cpu_devices(group):
                    env_update={"XLA_FLAGS": " ".join(filter(None, flags)), "JAX_PLATFORMS": "cpu"})
 
 
+def test_ring_memory_on_eight_cpu_devices():
+  """The ring's gradient holds as much on 8 devices as on 4 (not one shard
+  per step): compiled, not run, so interpret mode costs no kernel time."""
+  flags = [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]
+  run_check_script(CHECKS, "--only", "ring memory",
+                   env_update={"XLA_FLAGS": " ".join(filter(None, flags)), "JAX_PLATFORMS": "cpu"})
+
+
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_distributed_compiled_on_local_gpus():

@@ -8,7 +8,8 @@ statistic returned), and folds the partial result into its rows: softmax
 rownorms by log-sum-exp (`out = sum_t exp(lse_t - lse) out_t`), elementwise
 ones by a plain sum. The transfer of the next block is issued before the
 step's kernel and does not depend on it, so XLA's asynchronous collectives
-overlap the two.
+overlap the two; it is one buffer (`layout.pack`), since on GPUs a kernel
+queued behind several collectives waits for all but the last of them.
 
 score_mod and mask_mod see global positions: each step wraps them so that
 `q_idx` and `kv_idx` are the positions of the local queries and of the
@@ -21,9 +22,10 @@ each device's ids along with its keys and values. Steps whose tiles the
 mask all removes (a causal mask's future blocks, a sliding window's blocks
 out of reach) run no kernel (`lax.cond` on the step's block mask).
 
-The backward is a second ring with the same steps: each device keeps dq,
-and a dk/dv accumulator travels with each block of keys, one step behind it
-so that its transfer also overlaps a kernel. Each step runs attention's
+The backward is a second ring with the same steps: each device keeps dq
+(float32), and a dk/dv accumulator travels with each block of keys, in the
+keys' dtype (each device adds its part in float32), one step behind it so
+that its transfer also overlaps a kernel. Each step runs attention's
 backward kernels for (local queries, visiting keys) with the merged output
 and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
 no forward is recomputed and nothing per step is kept, so memory stays
