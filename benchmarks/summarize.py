@@ -11,7 +11,9 @@ run recorded for it, else the ratio of the two times. Hand-written context
 comes from results/NOTES.md, one `## <key>` section per table; its `## history`
 (what was tried and superseded) is listed by subject only, to keep SUMMARY.md
 to the current tables (under 200 lines, issue 43). Issue 39's delta-rule table
-reads the newest `delta_rule_kernels.json` (per-kernel times, its own layout).
+reads the newest `delta_rule_kernels.json` (per-kernel times, its own layout);
+issues 41/42's the newest folder's `multi_gpu*.json` (`*_before.json`: the
+code before).
 """
 from __future__ import annotations
 
@@ -474,28 +476,92 @@ def decoding(folders) -> list[str]:
           + f". The parallel template is {min(parallel):.1f}-{max(parallel):.1f}x slower."]
 
 
+def _multi_gpu_docs() -> tuple[str, list, dict | None]:
+  """(folder, the newest folder's multi_gpu files but `*_before.json`, that file or None)."""
+  paths = sorted(glob.glob(os.path.join(RESULTS, "*_*", "multi_gpu*.json")), reverse=True)
+  if not paths:
+    raise LookupError("no multi_gpu results")
+  folder = os.path.dirname(paths[0])
+  docs, before = [], None
+  for path in sorted(glob.glob(os.path.join(folder, "multi_gpu*.json"))):
+    with open(path) as f:
+      doc = json.load(f)
+    doc["path"] = os.path.relpath(path, RESULTS)
+    if path.endswith("_before.json"):
+      before = doc
+    else:
+      docs.append(doc)
+  return folder, docs, before
+
+
+def _cell(docs, case, impl, mode) -> dict | None:
+  for doc in docs:
+    for r in doc["rows"]:
+      if (r["case"], r["impl"], r["mode"]) == (case, impl, mode):
+        return r
+  return None
+
+
+def _peak_gib(r) -> float:
+  return max(r["extra"]["peak_bytes_per_gpu"]) / 2**30
+
+
 def multi_gpu(folders) -> list[str]:
-  cell = lambda impl, mode: ("causal_128k", impl, mode, ("throughput",))
-  src = Source(folders, [cell(impl, m) for impl in ("pallas_attn", "ring") for m in MODES])
-  rows, speedups, peaks = [], [], []
-  for mode in MODES:
-    one, ring = src.row(*cell("pallas_attn", mode)), src.row(*cell("ring", mode))
-    gib = lambda r, key: max(r["extra"][key]) if isinstance(r["extra"][key], list) else (
-        r["extra"][key])  # peaks are per GPU
-    speedups.append(one["time_ms"] / ring["time_ms"])
-    peaks.append(gib(ring, "peak_bytes_per_gpu") / gib(one, "peak_bytes_per_gpu"))
-    rows.append([mode, f"{one['time_ms']:.1f}", f"{ring['time_ms']:.1f}", f"{speedups[-1]:.2f}x",
-                 f"{ring['tflops'] / ring['extra']['devices']:.0f}",
-                 " / ".join(f"{gib(r, 'peak_bytes_per_gpu') / 2**30:.2f}" for r in (one, ring)),
-                 " / ".join(f"{gib(r, 'compiled_bytes_per_gpu') / 2**30:.2f}"
-                            for r in (one, ring))])
-  header = ["S = 128k", "1 GPU ms", "ring ms", "speedup", "ring TFLOP/s per GPU",
-            "peak GiB per GPU, 1 GPU / ring", "compiled GiB, 1 GPU / ring"]
-  return [src.caption(), "", *table(header, rows), "",
-          "- At least 1.8x at 128k: " + " / ".join(f"{x:.2f}x" for x in speedups)
-          + f": {met(min(speedups) >= 1.8)}.",
-          "- Memory per GPU about half of one GPU's: the ring's peak is " + " / ".join(
-              f"{x:.2f}x" for x in peaks) + f" one GPU's: {met(max(peaks) <= 0.6)}."]
+  """Issues 41 and 42: the ring over 2 and 4 GPUs and sharded decoding against
+  one GPU, from the newest folder's `multi_gpu*.json` (the runs of the
+  current code) and its `multi_gpu_before.json` (the code before)."""
+  _, docs, before = _multi_gpu_docs()
+  ring_rows, speedup, peaks = [], {}, {}
+  for seq in ("128k", "256k"):
+    ones = [_cell(docs, f"causal_{seq}", "pallas_attn", mode) for mode in MODES]
+    if not all(r and r["time_ms"] for r in ones):
+      continue
+    cells = [seq, " / ".join(f"{r['time_ms']:.1f}" for r in ones)]
+    gib = [f"{_peak_gib(ones[-1]):.2f}"]  # forward+backward's
+    for n in (2, 4):
+      runs = [_cell(docs, f"causal_{seq}", f"ring_{n}gpu", mode) for mode in MODES]
+      olds = [before and _cell([before], f"causal_{seq}", impl, mode)
+              for mode in MODES for impl in ("pallas_attn", f"ring_{n}gpu")]
+      was = ""
+      if all(r and r["time_ms"] for r in olds):
+        was = " (before " + " / ".join(f"{olds[2 * i]['time_ms'] / olds[2 * i + 1]['time_ms']:.2f}x"
+                                       for i in range(len(MODES))) + ")"
+      if all(r and r["time_ms"] for r in runs):
+        for mode, one, r in zip(MODES, ones, runs):
+          speedup[seq, mode, n] = one["time_ms"] / r["time_ms"]
+        peaks[seq, "fwd_bwd", n] = _peak_gib(runs[-1]) / _peak_gib(ones[-1])
+        cells.append(" / ".join(f"{r['time_ms']:.1f}" for r in runs) + " = " + " / ".join(
+            f"{speedup[seq, m, n]:.2f}x" for m in MODES) + was)
+        gib.append(f"{_peak_gib(runs[-1]):.2f}")
+      else:
+        cells.append(("not run" if all(r is None for r in runs) else "failed") + was)
+        gib.append("–")
+    ring_rows.append(cells + [" / ".join(gib)])
+  for seq in ("1024k", "2048k"):
+    one = _cell(docs, f"decode_{seq}", "decode", "decode")
+    for n in (2, 4):
+      r = _cell(docs, f"decode_{seq}", f"decode_{n}gpu", "decode")
+      if one and r and one["time_ms"] and r["time_ms"]:
+        speedup[seq, "decode", n] = one["time_ms"] / r["time_ms"]
+  doc = docs[0]
+  versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items() if v and k in ("jax", "torch"))
+  files = ", ".join(f"`{d['path']}`" for d in docs + ([before] if before else []))
+  at = lambda key: f"{speedup[key]:.2f}x" if key in speedup else "not measured"
+  share = lambda key: f"{peaks[key]:.2f}x" if key in peaks else "not measured"
+  return [f"{doc['device']} x4, {doc['date']}, {versions}. Files: {files}.", "",
+          *table(["S", "1 GPU ms, fwd / f+b", "ring over 2 GPUs: ms = speedup", "ring over 4 GPUs",
+                  "f+b peak GiB per GPU, 1 / 2 / 4"], ring_rows),
+          "- Issue 41 (2 GPUs): ring >= 1.9x at 64k and 128k: 128k " + " / ".join(
+              at(("128k", m, 2)) for m in MODES) + f", 64k not run: {met(False)}; ring peak per GPU "
+          f"<= 0.6x one GPU's at 128k forward+backward: {share(('128k', 'fwd_bwd', 2))}: "
+          f"{met(peaks.get(('128k', 'fwd_bwd', 2), 9) <= 0.6)}; decoding a 1M cache >= 1.8x: "
+          f"{at(('1024k', 'decode', 2))}: {met(speedup.get(('1024k', 'decode', 2), 0) >= 1.8)}.",
+          "- Issue 42 (4 GPUs): ring >= 3.6x at 256k: " + " / ".join(
+              at(("256k", m, 4)) for m in MODES)
+          + f": {met(min(speedup.get(('256k', m, 4), 0) for m in MODES) >= 3.6)}; ring peak per "
+          f"GPU <= 0.35x one GPU's at 256k: {share(('256k', 'fwd_bwd', 4))}: "
+          f"{met(peaks.get(('256k', 'fwd_bwd', 4), 9) <= 0.35)}; decoding a 2M cache >= 3.5x: "
+          f"{at(('2048k', 'decode', 4))}: {met(speedup.get(('2048k', 'decode', 4), 0) >= 3.5)}."]
 
 
 def earlier(folders) -> list[str]:
@@ -694,7 +760,7 @@ SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms, and f
             ("block_mask", "Issue 14, item 3: block-mask builds", block_mask),
             ("train_example", "Issue 16: a small LM trained with the layers", train_example),
             ("decoding", "Issue 17: split-KV decoding", decoding),
-            ("multi_gpu", "Issue 18: several GPUs", multi_gpu),
+            ("multi_gpu", "Issues 41 and 42: several GPUs of one host", multi_gpu),
             ("delta_rule", "Issue 39: the delta rule (DeltaNet, Gated DeltaNet, KDA)", delta_rule),
             ("earlier", "Earlier issues (resolved): the latest measurements", earlier)]
 
