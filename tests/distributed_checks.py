@@ -178,10 +178,12 @@ class _StepCounter:
 
 def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kwargs=None,
                            dtype=jnp.float32, sinks=None, load_balance=None, segment_ids=None,
-                           split_batch=False, expect_live=None):
+                           split_batch=False, expect_live=None, preordered=False):
   """context_parallel_attention over a ring of `num` devices (with
   `split_batch`, num / 2 devices and the batch over 2) against the dense
-  reference: output and gradients of q, k, v (and sinks)."""
+  reference: output and gradients of q, k, v (and sinks). `preordered`:
+  the inputs and ids put in the zigzag order first (`zigzag_order`), the
+  call told so (`sequence_order="zigzag"`), its output put back."""
   data = 2 if split_batch and num >= 4 else 1
   mesh = jax.make_mesh((data, num // data), ("data", "seq"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -192,11 +194,18 @@ def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kw
   def with_sinks(kwargs, sinks):
     return dict(kwargs, **({"sinks": sinks[0]} if sinks else {}))
 
+  shards = num // data
+  order = ((lambda x: pa.distributed.zigzag_order(x, shards)) if preordered
+           else (lambda x: x))
+
   def ours(q, k, v, *sinks):
-    return pa.context_parallel_attention(
-        q, k, v, mesh=mesh, seq_axis="seq", batch_axis="data" if data > 1 else None,
-        config=config, bwd_config=config, interpret=interpret, load_balance=load_balance,
-        segment_ids=segment_ids, **with_sinks(kwargs, sinks))
+    out = pa.context_parallel_attention(
+        *map(order, (q, k, v)), mesh=mesh, seq_axis="seq",
+        batch_axis="data" if data > 1 else None, config=config, bwd_config=config,
+        interpret=interpret, load_balance=load_balance,
+        segment_ids=None if segment_ids is None else order(segment_ids),
+        sequence_order="zigzag" if preordered else "natural", **with_sinks(kwargs, sinks))
+    return pa.distributed.natural_order(out, shards) if preordered else out
 
   def reference(q, k, v, *sinks):
     return pa.attention_reference(q, k, v, **with_sinks(reference_kwargs, sinks))
@@ -284,6 +293,9 @@ def context_parallel_cases(num):
                                   expect_live=2 * steps)),
       ("document ids + causal, zigzag", dict(kwargs=causal.kwargs(), segment_ids=ids,
                                              reference_kwargs=document.kwargs())),
+      ("document ids + causal, inputs in zigzag order", dict(
+          kwargs=causal.kwargs(), segment_ids=ids, reference_kwargs=document.kwargs(),
+          preordered=True)),
       ("sliding window, contiguous", dict(kwargs=window.kwargs(), load_balance=False,
                                           expect_live=2 * (2 * num - 1))),
       ("ALiBi + causal + sinks, zigzag, bf16",

@@ -52,6 +52,28 @@ def test_ring_memory_on_eight_cpu_devices():
                    env_update={"XLA_FLAGS": " ".join(filter(None, flags)), "JAX_PLATFORMS": "cpu"})
 
 
+def test_zigzag_order_round_trip_and_chunks():
+  """Device i's contiguous shard of the zigzag order is chunks i and 2N - 1 - i."""
+  x = jnp.arange(2 * 24).reshape(2, 24)
+  ordered = pa.distributed.zigzag_order(x, 3)
+  chunks = np.asarray(ordered[0]).reshape(6, 4) // 4
+  assert chunks[:, 0].tolist() == [0, 5, 1, 4, 2, 3]
+  np.testing.assert_array_equal(pa.distributed.natural_order(ordered, 3), x)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sequence_order="reversed"), "sequence_order must be one of"),
+    (dict(sequence_order="zigzag", load_balance=False), "contradicts"),
+])
+def test_sequence_order_errors(kwargs, match):
+  mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])
+  x = jnp.ones((1, 8, 2, 16))
+  with pytest.raises(ValueError, match=match):
+    pa.context_parallel_attention(x, x, x, mesh=mesh, seq_axis="seq", **kwargs)
+  with pytest.raises(ValueError, match="2 x 3 equal chunks"):
+    pa.distributed.zigzag_order(x, 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_distributed_compiled_on_local_gpus():

@@ -5,16 +5,19 @@
   (partitioning.py, sharded_passes.py, offsets.py).
 * Context parallelism: `context_parallel_attention` (a `shard_map` over a
   sequence axis) and `ring_attention` (inside your own `shard_map`) pass
-  blocks of keys around a ring of devices (ring.py, layout.py).
+  blocks of keys around a ring of devices (ring.py, layout.py);
+  `zigzag_order` / `natural_order` put a sequence in the order of the
+  balanced layout, so that the ring needs no relayout.
 * Decoding on a KV cache split along its sequence:
   `sharded_decode_attention` / `sharded_paged_attention` (a `shard_map`:
-  each device decodes its shard, the parts merge by log-sum-exp with an
-  all-reduce of output-sized arrays; sharded_decode.py).
+  each device decodes its shard, the parts merge by log-sum-exp after one
+  all-gather of output-sized arrays; sharded_decode.py).
 """
 from pallas_attn.distributed.context_parallel import context_parallel_attention
+from pallas_attn.distributed.layout import natural_order, zigzag_order
 from pallas_attn.distributed.ring import ring_attention
 from pallas_attn.distributed.sharded_decode import (sharded_decode_attention,
                                                     sharded_paged_attention)
 
-__all__ = ["context_parallel_attention", "ring_attention", "sharded_decode_attention",
-           "sharded_paged_attention"]
+__all__ = ["context_parallel_attention", "natural_order", "ring_attention",
+           "sharded_decode_attention", "sharded_paged_attention", "zigzag_order"]

@@ -5,7 +5,8 @@ over the mesh: the sequence axis is split over `seq_axis` (and batch and
 heads, optionally, over `batch_axis` and `head_axis`). With load balancing
 it moves each device's shard into the zigzag layout first (two chunks per
 device, so that every device has the same causal work) and the result
-back, with `ppermute`s of half a shard.
+back, with `ppermute`s of half a shard; inputs already in the zigzag order
+(`sequence_order="zigzag"`, `layout.zigzag_order`) need no moves.
 """
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ def _balances(mask_mod, seq_kv: int) -> bool:
   return keeps_nothing_between(analysis, (0, 0), (seq_kv - 1, seq_kv - 1))
 
 
+SEQUENCE_ORDERS = ("natural", "zigzag")
+
+
 def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
-                               segment_ids=None, load_balance=None, return_lse=False,
-                               **attention_kwargs):
+                               segment_ids=None, load_balance=None, sequence_order="natural",
+                               return_lse=False, **attention_kwargs):
   """`pallas_attn.attention` with the sequence split over mesh axis `seq_axis`.
 
   q `[B, Sq, Hq, Dqk]`, k `[B, Skv, Hkv, Dqk]`, v `[B, Skv, Hkv, Dv]` (global
@@ -45,7 +49,12 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   `variants.document` would be; pass them here rather than closing over
   them, so that each device holds its shard and the key ids travel with
   the keys. `load_balance`: None (auto) uses the zigzag layout when the
-  mask is causal-like (see `_balances`), True / False force it.
+  mask is causal-like (see `_balances`), True / False force it; the
+  inputs' shards are moved into it and the output back. With
+  `sequence_order="zigzag"` the inputs (and segment ids) are already in
+  that order along the sequence (`pallas_attn.distributed.zigzag_order`),
+  and so is the output (and the lse): no moves, the zigzag layout whatever
+  the mask; positions seen by score_mod / mask_mod stay the natural ones.
   `attention_kwargs`: score_mod, mask_mod, rownorm (softmax or elementwise),
   scale, sinks, config, bwd_config, interpret, implementation.
   """
@@ -55,9 +64,15 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
     if length % num:
       raise ValueError(f"context_parallel_attention: the {name} sequence ({length}) must "
                        f"split evenly over the {num} devices of mesh axis {seq_axis!r}")
+  if sequence_order not in SEQUENCE_ORDERS:
+    raise ValueError(f"sequence_order must be one of {SEQUENCE_ORDERS}; got {sequence_order!r}")
+  preordered = sequence_order == "zigzag"
+  if preordered and load_balance is False:
+    raise ValueError("sequence_order='zigzag' is the load-balanced layout already; "
+                     "load_balance=False contradicts it (pass inputs in natural order instead)")
   if load_balance is None:
     load_balance = num > 1 and _balances(attention_kwargs.get("mask_mod"), seq_kv)
-  layout = layout_lib.ZIGZAG if load_balance else layout_lib.CONTIGUOUS
+  layout = layout_lib.ZIGZAG if load_balance or preordered else layout_lib.CONTIGUOUS
   layout_lib.check_layout(layout, seq_q // num, seq_kv // num)
   qkv_spec = PartitionSpec(batch_axis, seq_axis, head_axis, None)
   ids = ring_lib.segment_id_pair(segment_ids, q.shape[0], seq_q, seq_kv)
@@ -69,7 +84,7 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   def local(q, k, v, q_ids, kv_ids):
     def relayout(move, *arrays):
       """`arrays` ((array or None, sequence axis) pairs) moved in one ordered chain."""
-      if layout == layout_lib.CONTIGUOUS:
+      if layout == layout_lib.CONTIGUOUS or preordered:
         return [x for x, _ in arrays]
       present = [(x, axis) for x, axis in arrays if x is not None]
       moved = iter(move(present, seq_axis, num))

@@ -12,6 +12,10 @@ ring attention: Brandon et al. 2023; the layout of ring-flash-attention).
 `position_map` gives a device's global positions; `to_zigzag` /
 `from_zigzag` move contiguously sharded arrays into the zigzag layout and
 back inside `shard_map`, with at most four `ppermute`s of half a shard.
+`zigzag_order` / `natural_order` permute a whole (unsharded) sequence into
+the order whose contiguous shards are the zigzag layout, and back: a model
+that keeps its tokens in that order from the embedding to the loss runs
+every layer's ring with no relayout.
 
 `pack` / `unpack` put several arrays into one flat buffer and back, so that
 one collective moves them all: on GPUs the collectives of a program queue
@@ -49,6 +53,37 @@ def position_map(layout: str, device, length: int, num_devices: int):
   first = device * half                          # chunk i
   second = (2 * num_devices - 2 - device) * half  # chunk 2N - 1 - i, less its local start
   return lambda i: i + jnp.where(i < half, first, second)
+
+
+def _zigzag_chunks(num_devices: int) -> list[int]:
+  """The 2N chunks of a sequence in zigzag order: 0, 2N - 1, 1, 2N - 2, ..."""
+  return [chunk for device in range(num_devices)
+          for chunk in (device, 2 * num_devices - 1 - device)]
+
+
+def _reorder(x, num_devices: int, axis: int, chunks: list[int]):
+  length = x.shape[axis]
+  if length % (2 * num_devices):
+    raise ValueError(f"the zigzag order cuts a sequence into 2 x {num_devices} equal chunks: "
+                     f"length {length} (axis {axis}) does not split so")
+  parts = jnp.split(x, 2 * num_devices, axis=axis)
+  return jnp.concatenate([parts[c] for c in chunks], axis=axis)
+
+
+def zigzag_order(x, num_devices: int, axis: int = 1):
+  """`x`'s sequence axis `axis` (global positions in order) rearranged so that
+  its contiguous split over `num_devices` gives device i chunks i and
+  2N - 1 - i of 2N: the zigzag layout, balanced under causal masks.
+  Apply it to q, k, v and segment ids (once, e.g. to the token ids before
+  the embedding) and pass `sequence_order="zigzag"` to
+  `context_parallel_attention`."""
+  return _reorder(x, num_devices, axis, _zigzag_chunks(num_devices))
+
+
+def natural_order(x, num_devices: int, axis: int = 1):
+  """The inverse of `zigzag_order`: the sequence back in position order."""
+  chunks = _zigzag_chunks(num_devices)
+  return _reorder(x, num_devices, axis, sorted(range(len(chunks)), key=chunks.__getitem__))
 
 
 def _zigzag_sources(num_devices: int) -> dict:
