@@ -6,8 +6,10 @@ over several GPUs of one host than one GPU, and what do they hold per GPU?
 
 Ring: causal softmax, bf16, d 128, Hq = Hkv = 16, batch 1:
 `context_parallel_attention` with the sequence split over the first n local
-GPUs (zigzag, the default for causal masks) against `attention` on one GPU at
-the same total length; forward, and forward+backward (q, k, v). Decoding: one
+GPUs (zigzag, the default for causal masks: its relayout in and out
+included; `ring_preordered`: inputs already in the zigzag order,
+`sequence_order="zigzag"`, no relayout) against `attention` on one GPU at the
+same total length; forward, and forward+backward (q, k, v). Decoding: one
 query token, B1 Hq 32 / Hkv 8 d 128 bf16 over a cache of S keys:
 `sharded_decode_attention` with the cache's sequence split over n GPUs against
 `decode_attention` on one; GB/s per GPU count the K/V bytes each reads.
@@ -37,12 +39,13 @@ from pallas_attn import bench  # noqa: E402
 from pallas_attn.bench import Row  # noqa: E402
 
 SMALL_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+PREORDERED = "ring_preordered"  # the ring on inputs already in the zigzag order
 DECODE_HEADS, DECODE_KV_HEADS = 32, 8
 
 
 def impl_name(kind: str, devices: int) -> str:
   if devices == 1:
-    return "pallas_attn" if kind == "ring" else "decode"
+    return "decode" if kind == "decode" else "pallas_attn"
   return f"{kind}_{devices}gpu"
 
 
@@ -82,9 +85,11 @@ def _profile(call, devices, calls: int = 3) -> list:
   return [per_device.get(i, {}) for i in range(len(devices))]
 
 
-def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool) -> dict:
+def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
+                 preordered: bool = False) -> dict:
   """Per mode: ms, TFLOP/s and bytes per GPU of the ring over `devices` GPUs
-  (one GPU: `attention`)."""
+  (one GPU: `attention`); `preordered`: inputs and output in the zigzag
+  order (`sequence_order="zigzag"`, no relayout)."""
   import jax
 
   import pallas_attn as pa
@@ -94,8 +99,9 @@ def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool) -> d
   if mesh is None:
     attention = lambda q, k, v: pa.attention(q, k, v, mask_mod=causal)
   else:
-    attention = lambda q, k, v: pa.context_parallel_attention(q, k, v, mesh=mesh, seq_axis="seq",
-                                                              mask_mod=causal)
+    order = "zigzag" if preordered else "natural"
+    attention = lambda q, k, v: pa.context_parallel_attention(
+        q, k, v, mesh=mesh, seq_axis="seq", mask_mod=causal, sequence_order=order)
   q, k, v, cotangent = _random([(1, seq, heads, d)] * 4, sharding, 0)
 
   def step(q, k, v, d_out):
@@ -157,10 +163,10 @@ def run_one(kind: str, devices: int, seq: int, args) -> dict:
 
 
 def _rows(kind: str, seq: int, devices: int, result: dict) -> list[Row]:
-  name = f"{'causal' if kind == 'ring' else 'decode'}_{bench.seq_name(seq)}"
+  name = f"{'decode' if kind == 'decode' else 'causal'}_{bench.seq_name(seq)}"
   impl = impl_name(kind, devices)
   rows = []
-  for mode in (("fwd", "fwd_bwd") if kind == "ring" else ("decode",)):
+  for mode in (("decode",) if kind == "decode" else ("fwd", "fwd_bwd")):
     if "error" in result:
       rows.append(Row(name, impl, mode, None, note=result["error"][-200:]))
       continue
@@ -186,8 +192,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.one:
     kind, devices, seq = args.one[0], int(args.one[1]), int(args.one[2])
-    if kind == "ring":
-      print(json.dumps(measure_ring(devices, seq, args.heads, args.d, args.profile)))
+    if kind.startswith("ring"):
+      print(json.dumps(measure_ring(devices, seq, args.heads, args.d, args.profile,
+                                    preordered=kind == PREORDERED)))
     else:
       print(json.dumps(measure_decode(devices, seq, args.d, args.profile)))
     return
@@ -198,9 +205,11 @@ def main(argv=None):
     args.devices = sorted({1, 2, len(jax.local_devices())})
   rows, env = [], None
   notes = "NCCL_NVLS_ENABLE=0; speedup = one GPU's ms / n GPUs' ms"
-  for kind, seqs in (("ring", args.seqs), ("decode", args.decode_seqs)):
+  for kind, seqs in (("ring", args.seqs), (PREORDERED, args.seqs), ("decode", args.decode_seqs)):
     for seq in seqs:
       for devices in args.devices:
+        if kind == PREORDERED and devices == 1:
+          continue  # the same as the ring's one GPU
         result = run_one(kind, devices, seq, args)
         env = env or result.pop("environment", None)
         rows += _rows(kind, seq, devices, result)
