@@ -8,7 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import _inputs, _templates, decode
+from pallas_attn import _inputs, _templates
+from pallas_attn import split_kv as split_kv_lib
 from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
@@ -141,10 +142,10 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   cfg = resolve_config(config, "config", forward_template, analysis, q, k, v)
   bwd_cfg = resolve_config(bwd_config, "bwd_config", _templates.BACKWARD[lowering.backward],
                            analysis, q, k, v)
-  split_kv = None  # a few queries: the split-KV template (pallas_attn/decode.py)
+  split_kv = None  # a few queries: the split-KV template (pallas_attn/split_kv.py)
   if (allow_split_kv and config in (None, "auto") and implementation is None
       and block_mask is None):
-    split_kv = decode.split_kv_call(analysis, q, k, v, scale, interpret)
+    split_kv = split_kv_lib.split_kv_call(analysis, q, k, v, scale, interpret)
   block_masks = (None if split_kv else
                  _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret))
   if block_masks is not None:
@@ -161,7 +162,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,
                lowering.forward, lowering.backward)
   core = (_attention if split_kv is None else
-          functools.partial(decode.split_kv_attention, split_kv=split_kv, dense=_attention))
+          functools.partial(split_kv_lib.split_kv_attention, split_kv=split_kv, dense=_attention))
   return call, consts, block_masks, sinks, core
 
 

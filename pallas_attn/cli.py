@@ -109,11 +109,11 @@ def _chosen_config(template: str, analysis, shape: ProblemShape):
 def running_templates(analysis, shape: ProblemShape) -> list[str]:
   """The forward and backward templates `attention` runs here for this call
   (the split-KV template's forward for a few queries)."""
-  from pallas_attn import decode
+  from pallas_attn import split_kv
   from pallas_attn.kernels import backend, lowering
   choice = lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                            backend.default_interpret())
-  forward = (_templates.DECODE if decode.prefers_split_kv(shape.seq_q, shape.seq_kv)
+  forward = (_templates.DECODE if split_kv.prefers_split_kv(shape.seq_q, shape.seq_kv)
              else _templates.FORWARD[choice.forward])
   return [forward.name, _templates.BACKWARD[choice.backward].name]
 
@@ -200,10 +200,10 @@ def cmd_explain(args) -> int:
   from pallas_attn.kernels import backend, lowering
   print(lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
                         backend.default_interpret()).describe())
-  from pallas_attn import decode
-  print(decode.describe_dispatch(analysis, shape.q_shape, shape.k_shape, shape.v_shape,
-                                 shape.dtype))
-  if analysis.mask_mod is not None and not decode.prefers_split_kv(shape.seq_q, shape.seq_kv):
+  from pallas_attn import split_kv
+  print(split_kv.describe_dispatch(analysis, shape.q_shape, shape.k_shape, shape.v_shape,
+                                   shape.dtype))
+  if analysis.mask_mod is not None and not split_kv.prefers_split_kv(shape.seq_q, shape.seq_kv):
     from pallas_attn.kernels.block_mask import describe_build
     print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))
   if sinks is not None:

@@ -102,6 +102,35 @@ def check_decode(num, interpret, *, seq_q, kwargs=None, dtype=jnp.float32, confi
   return summary
 
 
+def check_decode_attention_sharded(num, interpret, *, axis_type, split, seed=5):
+  """`decode_attention` itself under jit on a cache with a NamedSharding
+  (`split`: the sequence over all devices, or over half of them and the
+  batch or the heads over two), ALiBi at global heads, causal, sinks:
+  against the reference, and its HLO moves no cache."""
+  names = {"sequence": ("seq",), "batch": ("data", "seq"), "heads": ("seq", "heads")}[split]
+  shape = (num,) if split == "sequence" else ((2, num // 2) if split == "batch" else (num // 2, 2))
+  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+  spec = {"sequence": P(None, "seq"), "batch": P("data", "seq"),
+          "heads": P(None, "seq", "heads")}[split]
+  seq = SHARD * num
+  q, k, v = random_inputs(2, 3, seq, seed=seed)
+  lengths = ragged_lengths(2, seq)
+  k_s, v_s = (jax.device_put(poisoned(x, lengths), NamedSharding(mesh, spec)) for x in (k, v))
+  kwargs = (variants.alibi(slopes=jnp.linspace(0.1, 0.8, 8)) + variants.causal()).kwargs()
+  kwargs["sinks"] = jnp.linspace(-1.0, 2.0, 8)
+
+  def ours(q, k, v, lengths):
+    return pa.decode_attention(q, k, v, lengths, config=CONFIG, interpret=interpret, **kwargs)
+  compiled = jax.jit(ours).lower(q, k_s, v_s, lengths).compile()
+  out = compiled(q, k_s, v_s, lengths)
+  want = reference(q, k, v, lengths, **kwargs)
+  error = rel_err(out, want)
+  assert error <= TOLERANCE[jnp.float32], f"relative error {error}"
+  merge = out.size + out.shape[0] * out.shape[2] * out.shape[1]
+  return (f"mesh {dict(mesh.shape)} {spec}, max relative error {error:.1e}; "
+          + check_collectives(compiled.as_text(), merge, num))
+
+
 def check_paged(num, interpret, *, seq_q=2, page_size=4):
   """sharded_paged_attention: each device's positions in pages of its own
   pool, through a shuffled page table of local indices."""
@@ -191,6 +220,12 @@ def cases(num, interpret):
           seq_q=4, kwargs=alibi_documents.kwargs(), dtype=jnp.bfloat16, seed=3)),
       ("Sq=2, paged, causal", lambda: check_paged(num, interpret)),
   ]
+  for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+    splits = ("sequence", "batch", "heads") if num >= 4 else ("sequence",)
+    for split in splits:
+      found.append((f"decode_attention on a sharded cache ({split}, {axis_type.name}); HLO",
+                    functools.partial(check_decode_attention_sharded, num, interpret,
+                                      axis_type=axis_type, split=split)))
   if num >= 4:
     found.append(("Sq=4, sigmoid (elementwise), batch split over an explicit axis",
                   lambda: decode(seq_q=4, batch=4, batch_split=2, seed=4, kwargs=dict(

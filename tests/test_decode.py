@@ -12,7 +12,7 @@ import pytest
 
 import pallas_attn as pa
 from conftest import MODES, assert_close, random
-from pallas_attn import decode
+from pallas_attn import split_kv
 from pallas_attn import variants as V
 from pallas_attn.spec import mask_bounds
 
@@ -153,7 +153,7 @@ def test_attention_dispatches_small_queries_to_split_kv(interpret):
   q, k, v = inputs(batch=2, seq_q=3, seq=300)
   variant = V.alibi(num_heads=4) + V.sliding_window(100, causal=False)
   kwargs = dict(**variant.kwargs(), interpret=interpret)
-  assert decode.split_kv_call(pa.analyze_variant(**variant.kwargs()), q, k, v, None,
+  assert split_kv.split_kv_call(pa.analyze_variant(**variant.kwargs()), q, k, v, None,
                               interpret) is not None
   jaxpr = str(jax.make_jaxpr(lambda q, k, v: pa.attention(q, k, v, **kwargs))(q, k, v))
   assert "pallas_attn_decode" in jaxpr and "pallas_attn_forward" not in jaxpr
@@ -254,6 +254,6 @@ def test_tuner_covers_the_split_kv_template(tmp_path, monkeypatch):
   q, k, v = inputs(batch=2, seq=64, d_v=16)  # the tuned shapes (d_v keys the cache)
   assert cache.lookup_config("decode", pa.analyze_variant().fingerprint(), q_shape=q.shape,
                              k_shape=k.shape, v_shape=v.shape, dtype=q.dtype) == result.best
-  assert decode.resolve_config(None, pa.analyze_variant(), q, k.shape, v.shape) == result.best
+  assert split_kv.resolve_config(None, pa.analyze_variant(), q, k.shape, v.shape) == result.best
   with pytest.raises(ValueError, match="1 to 16 query tokens"):
     tuning.tune_attention((2, 32, 4, 16), *shapes[1:], template="decode")

@@ -18,7 +18,7 @@ import pytest
 
 import pallas_attn as pa
 from pallas_attn import variants as V
-from pallas_attn.decode import _consts
+from pallas_attn.split_kv import consts_of
 from pallas_attn.distributed.sharded_decode import _global_variant
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.mask_bounds import live_kv_blocks
@@ -106,7 +106,7 @@ def test_a_sliding_window_reads_only_the_shards_it_reaches():
     local = jnp.clip(lengths - offset, 0, shard)
     _, mask = _global_variant(None, V.sliding_window(5).mask_mod, lengths - local, offset, None)
     analysis = analyze_variant(mask_mod=mask)
-    ranges = live_kv_blocks(analysis, _consts(analysis)[1], local, local - seq_q, seq_q, 2, 4,
+    ranges = live_kv_blocks(analysis, consts_of(analysis)[1], local, local - seq_q, seq_q, 2, 4,
                             16, 2)
     live.append(np.asarray(ranges)[:, 0].tolist())
   # Window keys: [0, 5) on shard 0; [59, 67) on shards 1 (block 1) and 2

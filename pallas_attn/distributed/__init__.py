@@ -8,10 +8,11 @@
   blocks of keys around a ring of devices (ring.py, layout.py);
   `zigzag_order` / `natural_order` put a sequence in the order of the
   balanced layout, so that the ring needs no relayout.
-* Decoding on a KV cache split along its sequence:
-  `sharded_decode_attention` / `sharded_paged_attention` (a `shard_map`:
-  each device decodes its shard, the parts merge by log-sum-exp after one
-  all-gather of output-sized arrays; sharded_decode.py).
+* Decoding on a KV cache split along its sequence: `decode_attention`
+  under jit on the sharded cache, or `sharded_decode_attention` /
+  `sharded_paged_attention` with the mesh axes named (each device decodes
+  its shard, the parts merge by log-sum-exp after one all-gather of
+  output-sized arrays; sharded_decode.py).
 """
 from pallas_attn.distributed.context_parallel import context_parallel_attention
 from pallas_attn.distributed.layout import natural_order, zigzag_order

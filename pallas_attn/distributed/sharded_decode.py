@@ -5,13 +5,16 @@ takes a cache `[B, S_max, Hkv, D]` sharded over mesh axis `axis_name` on
 its sequence axis (device i holds positions `[i * S_loc, (i + 1) * S_loc)`,
 S_loc = S_max / N) and the queries replicated over that axis. Inside a
 `jax.shard_map` each device runs the single-device split-KV decode
-(decode.py) on its shard, with `kv_lengths[b] - i * S_loc` keys (clamped
+(split_kv.py) on its shard, with `kv_lengths[b] - i * S_loc` keys (clamped
 into [0, S_loc]: a shard past a sequence's end keeps nothing), and returns
 its output and its rows' log-sum-exp. score_mod and mask_mod are wrapped so
 that they see global positions: key j of the shard at `i * S_loc + j`,
-query t at `kv_lengths[b] - Sq + t` (and the global batch row where the
-batch is split too), so causal masks and sliding windows are exact, and a
-window's tile bounds still skip the shards and blocks it does not reach.
+query t at `kv_lengths[b] - Sq + t` (and the global batch row and head
+where those are split too), so causal masks and sliding windows are exact,
+and a window's tile bounds still skip the shards and blocks it does not
+reach. `partitioned_decode` is the same per shard for `decode_attention`
+under `jax.jit`, on whatever sharding XLA's partitioner finds
+(distributed/partitioning.py with `kv_sequence`).
 
 The parts merge by log-sum-exp: one `all_gather` over `axis_name` of each
 shard's output and `[B, Hq, Sq]` log-sum-exp, then on every device the
@@ -30,11 +33,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from pallas_attn import _inputs, decode
+from pallas_attn import _inputs, split_kv
 from pallas_attn.distributed import layout
 from pallas_attn.distributed.context_parallel import _resharded
+from pallas_attn.distributed.partitioning import (BATCH, HEADS, KV_HEADS, KV_SEQUENCE, Dims,
+                                                  Shard, partitioned)
 from pallas_attn.kernels import backend
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.trace import eval_inlined
 
 
 def _check_rownorm(analysis: VariantAnalysis, sinks, heads: int):
@@ -54,13 +60,14 @@ def _check_rownorm(analysis: VariantAnalysis, sinks, heads: int):
   return _inputs.resolve_sinks(sinks, analysis, heads)
 
 
-def _global_variant(score_mod, mask_mod, q_shift, kv_offset, batch_offset):
+def _global_variant(score_mod, mask_mod, q_shift, kv_offset, batch_offset, head_offset=None):
   """(score_mod, mask_mod) on a shard's local indices, calling the user's at
-  global ones: b + batch_offset, q_idx + q_shift[b] (q_shift `[B]`: the
-  global length minus the shard's), kv_idx + kv_offset."""
+  global ones: b + batch_offset, h + head_offset, q_idx + q_shift[b]
+  (q_shift `[B]`: the global length minus the shard's), kv_idx + kv_offset."""
   def indices(b, h, q_idx, kv_idx):
     global_b = b if batch_offset is None else b + batch_offset
-    return global_b, h, q_idx + q_shift[b], kv_idx + kv_offset
+    global_h = h if head_offset is None else h + head_offset
+    return global_b, global_h, q_idx + q_shift[b], kv_idx + kv_offset
 
   wrapped_score = wrapped_mask = None
   if score_mod is not None:
@@ -70,6 +77,20 @@ def _global_variant(score_mod, mask_mod, q_shift, kv_offset, batch_offset):
     def wrapped_mask(b, h, q_idx, kv_idx):
       return mask_mod(*indices(b, h, q_idx, kv_idx))
   return wrapped_score, wrapped_mask
+
+
+def _programs(analysis: VariantAnalysis, consts) -> tuple:
+  """(score_mod, mask_mod) evaluating the analyzed programs on `consts`
+  (score_mod's, mask_mod's captured arrays, as operands of a shard)."""
+  score_mod = mask_mod = None
+  if analysis.score_mod is not None:
+    def score_mod(score, b, h, q_idx, kv_idx):
+      return eval_inlined(analysis.score_mod.traced.jaxpr, consts[0], score, b, h, q_idx,
+                          kv_idx)[0]
+  if analysis.mask_mod is not None:
+    def mask_mod(b, h, q_idx, kv_idx):
+      return eval_inlined(analysis.mask_mod.traced.jaxpr, consts[1], b, h, q_idx, kv_idx)[0]
+  return score_mod, mask_mod
 
 
 def _merge(kind: str, out, lse, sinks, axis_name):
@@ -99,21 +120,56 @@ def _merge(kind: str, out, lse, sinks, axis_name):
   return out, lse
 
 
-def _local(q, k, v, lengths, page_table, sinks, *, axis_name, batch_axis, shard_length, kind,
-           options, return_lse):
-  """One device's decode on its shard of the cache, merged over `axis_name`."""
-  offset = lax.axis_index(axis_name) * shard_length
-  shard_lengths = jnp.clip(lengths - offset, 0, shard_length)
-  batch_offset = None if batch_axis is None else lax.axis_index(batch_axis) * q.shape[0]
-  score_mod, mask_mod = _global_variant(options["score_mod"], options["mask_mod"],
-                                        lengths - shard_lengths, offset, batch_offset)
-  out, lse = decode.decode_with_statistic(
+def _decode_shard(shard: Shard, q, k, v, lengths, page_table, sinks, *, score_mod, mask_mod,
+                  shard_length: int, analysis: VariantAnalysis, options, return_lse):
+  """One shard's decode (`shard`: its offsets, "kv" where it holds a run of
+  `shard_length` cache positions), merged over `shard.kv_axes`."""
+  offset = shard.offsets.get("kv")
+  merged = bool(shard.kv_axes)
+  if merged:
+    _check_rownorm(analysis, sinks, q.shape[2])
+  shard_lengths = lengths if offset is None else jnp.clip(lengths - offset, 0, shard_length)
+  score_mod, mask_mod = _global_variant(score_mod, mask_mod, lengths - shard_lengths,
+                                        0 if offset is None else offset, shard.offsets.get("b"),
+                                        shard.offsets.get("h"))
+  out, lse = split_kv.decode_with_statistic(
       q, k, v, shard_lengths, page_table=page_table, score_mod=score_mod, mask_mod=mask_mod,
-      rownorm=options["rownorm"], scale=options["scale"], config=options["config"],
-      interpret=options["interpret"])
-  out, lse = _merge(kind, out, lse, sinks, axis_name)
+      rownorm=options["rownorm"], sinks=None if merged else sinks, scale=options["scale"],
+      config=options["config"], interpret=options["interpret"])
+  if merged:
+    out, lse = _merge(analysis.rownorm.kind, out, lse, sinks, shard.kv_axes)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
+
+
+Q_DIMS = Dims((BATCH, None, HEADS, None), "q")
+CACHE_DIMS = Dims((BATCH, KV_SEQUENCE, KV_HEADS, None), "the KV cache")
+OUT_DIMS = Dims((BATCH, None, HEADS, None), "the output")
+
+
+def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks, scale, config,
+                       interpret):
+  """`decode_attention`'s output on a cache however XLA's partitioner finds
+  it sharded (distributed/partitioning.py): batch and heads like q, and the
+  cache's sequence, whose shards decode their run of positions and merge
+  as `sharded_decode_attention`'s do; captured arrays replicated."""
+  analysis = analyze_variant(score_mod, mask_mod, rownorm)
+  sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
+  consts = split_kv.consts_of(analysis)
+  options = dict(rownorm=rownorm, scale=scale, config=config, interpret=interpret)
+
+  def local(shard, q, k, v, lengths, consts, sinks):
+    local_score, local_mask = _programs(analysis, consts)
+    return _decode_shard(shard, q, k, v, lengths, None, sinks, score_mod=local_score,
+                         mask_mod=local_mask, shard_length=k.shape[1], analysis=analysis,
+                         options=options, return_lse=False)
+
+  replicated = lambda x: Dims((None,) * jnp.ndim(x), "a captured array")
+  arg_dims = (Q_DIMS, CACHE_DIMS, CACHE_DIMS, Dims((BATCH,), "kv_lengths"),
+              jax.tree.map(replicated, consts), None if sinks is None else Dims((HEADS,), "sinks"))
+  with backend.triton_deprecation_ignored():
+    return partitioned(local, (q, k, v, lengths, consts, sinks), arg_dims, OUT_DIMS,
+                       group=q.shape[2] // k.shape[2], kv_sequence=True)
 
 
 def _run(q, k, v, lengths, page_table, sinks, *, mesh, axis_name, batch_axis, shard_length,
@@ -132,17 +188,21 @@ def _run(q, k, v, lengths, page_table, sinks, *, mesh, axis_name, batch_axis, sh
   if sinks is not None:
     in_specs.append(PartitionSpec())
     args.append(jnp.asarray(sinks, jnp.float32))
-  kind = analysis.rownorm.kind
-  with_lse = return_lse and kind != "elementwise"
+  with_lse = return_lse and analysis.rownorm.kind != "elementwise"
   out_specs = (batch, PartitionSpec(batch_axis)) if with_lse else batch
 
   def local(q, k, v, lengths, *rest):
     rest = list(rest)
     table = rest.pop(0) if paged else None
     local_sinks = rest.pop(0) if sinks is not None else None
-    return _local(q, k, v, lengths, table, local_sinks, axis_name=axis_name,
-                  batch_axis=batch_axis, shard_length=shard_length, kind=kind, options=options,
-                  return_lse=with_lse)
+    offsets = {"kv": lax.axis_index(axis_name) * shard_length}
+    if batch_axis is not None:
+      offsets["b"] = lax.axis_index(batch_axis) * q.shape[0]
+    shard = Shard(offsets, () if batch_axis is None else (batch_axis,), (), (axis_name,))
+    return _decode_shard(shard, q, k, v, lengths, table, local_sinks,
+                         score_mod=options["score_mod"], mask_mod=options["mask_mod"],
+                         shard_length=shard_length, analysis=analysis, options=options,
+                         return_lse=with_lse)
 
   args = [_resharded(x, mesh, spec) for x, spec in zip(args, in_specs)]
   with backend.triton_deprecation_ignored():
@@ -194,10 +254,10 @@ def sharded_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name
   with `return_lse` the log-sum-exp `[B, Hq, Sq]` (None for elementwise
   rownorms). Forward only.
   """
-  decode._validate(q, k_cache, v_cache, kv_lengths, "k_cache", "v_cache")
+  split_kv.validate(q, k_cache, v_cache, kv_lengths, "k_cache", "v_cache")
   seq = k_cache.shape[1]
   num = _check_mesh(mesh, axis_name, batch_axis, q.shape[0], seq, "sequence length")
-  lengths = decode._checked_lengths(kv_lengths, q.shape[1], seq)
+  lengths = split_kv.checked_lengths(kv_lengths, q.shape[1], seq)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   sinks = _check_rownorm(analysis, sinks, q.shape[2])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
@@ -225,8 +285,8 @@ def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh
   of the pages a sequence uses are checked when concrete; otherwise
   clamped into the device's pool.
   """
-  decode._validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
-  decode._check_page_table(page_table, q.shape[0], "N * max_pages")
+  split_kv.validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
+  split_kv.check_page_table(page_table, q.shape[0], "N * max_pages")
   num = _check_mesh(mesh, axis_name, batch_axis, q.shape[0], page_table.shape[1],
                     "page table's pages per sequence")
   if k_pages.shape[0] % num:
@@ -234,8 +294,8 @@ def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh
                      f"evenly over the {num} devices of mesh axis {axis_name!r}")
   page_size = k_pages.shape[1]
   shard_length = page_table.shape[1] // num * page_size
-  lengths = decode._checked_lengths(kv_lengths, q.shape[1], shard_length * num)
-  decode._check_pages(page_table, lengths, page_size, k_pages.shape[0] // num)
+  lengths = split_kv.checked_lengths(kv_lengths, q.shape[1], shard_length * num)
+  split_kv.check_pages(page_table, lengths, page_size, k_pages.shape[0] // num)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   sinks = _check_rownorm(analysis, sinks, q.shape[2])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
