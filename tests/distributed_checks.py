@@ -306,12 +306,17 @@ def context_parallel_cases(num):
   ]
 
 
-def main():
+def parse_arguments():
+  """A checks script's options: --compiled (GPU) and --only NAME."""
   parser = argparse.ArgumentParser()
   parser.add_argument("--compiled", action="store_true",
                       help="compiled kernels (GPU) instead of interpret mode")
   parser.add_argument("--only", default="", help="run the checks whose names contain this")
-  args = parser.parse_args()
+  return parser.parse_args()
+
+
+def main():
+  args = parse_arguments()
   interpret = not args.compiled
   num = jax.device_count()
   if num < 2:

@@ -14,7 +14,6 @@ outputs and statistics, never the cache. Exits non-zero on any failure.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import re
@@ -26,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_attn as pa
-from distributed_checks import rel_err, run_checks
+from distributed_checks import parse_arguments, rel_err, run_checks
 from pallas_attn import variants
 from test_decode import reference
 
@@ -235,11 +234,7 @@ def cases(num, interpret):
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--compiled", action="store_true",
-                      help="compiled kernels (GPU) instead of interpret mode")
-  parser.add_argument("--only", default="", help="run the checks whose names contain this")
-  args = parser.parse_args()
+  args = parse_arguments()
   num = jax.device_count()
   if num < 2 or num % 2:
     sys.exit(f"needs an even number of devices; got {jax.devices()}")
