@@ -130,6 +130,32 @@ def check_decode_attention_sharded(num, interpret, *, axis_type, split, seed=5):
           + check_collectives(compiled.as_text(), merge, num))
 
 
+def check_rownorm_sink(num, interpret):
+  """A rownorm with its own sink (off-by-one softmax): on a batch-sharded
+  cache as on one device; on a sequence-sharded one, the error that asks
+  for `sinks=` (which the merge adds once)."""
+  mesh = jax.make_mesh((2, num // 2), ("data", "seq"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  q, k, v = random_inputs(2, 1, SHARD * num, seed=6)
+  lengths = ragged_lengths(2, SHARD * num)
+  rownorm = variants.off_by_one_softmax
+  run = jax.jit(lambda q, k, v, n: pa.decode_attention(q, k, v, n, rownorm=rownorm, config=CONFIG,
+                                                       interpret=interpret))
+  batch = NamedSharding(mesh, P("data"))
+  k_b, v_b = (jax.device_put(x, batch) for x in (k, v))
+  error = rel_err(run(q, k_b, v_b, lengths), reference(q, k, v, lengths, rownorm=rownorm))
+  assert error <= TOLERANCE[jnp.float32], f"relative error {error}"
+  sequence = NamedSharding(mesh, P(None, "seq"))
+  k_s, v_s = (jax.device_put(x, sequence) for x in (k, v))
+  try:
+    run(q, k_s, v_s, lengths)
+  except Exception as e:  # raised while partitioning, wrapped by XLA
+    assert "pass rownorm='softmax' and sinks=" in str(e), str(e)[-2000:]
+  else:
+    raise AssertionError("a sink rownorm on a sequence-sharded cache was not refused")
+  return f"batch-sharded: max relative error {error:.1e}; sequence-sharded: refused"
+
+
 def check_paged(num, interpret, *, seq_q=2, page_size=4):
   """sharded_paged_attention: each device's positions in pages of its own
   pool, through a shuffled page table of local indices."""
@@ -226,6 +252,8 @@ def cases(num, interpret):
                     functools.partial(check_decode_attention_sharded, num, interpret,
                                       axis_type=axis_type, split=split)))
   if num >= 4:
+    found.append(("off-by-one softmax (a rownorm sink) on sharded caches",
+                  lambda: check_rownorm_sink(num, interpret)))
     found.append(("Sq=4, sigmoid (elementwise), batch split over an explicit axis",
                   lambda: decode(seq_q=4, batch=4, batch_split=2, seed=4, kwargs=dict(
                       rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b,

@@ -154,7 +154,8 @@ def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks,
   cache's sequence, whose shards decode their run of positions and merge
   as `sharded_decode_attention`'s do; captured arrays replicated."""
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
+  if sinks is not None:  # checked here; a rownorm's own sink stays in the rownorm
+    sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = split_kv.consts_of(analysis)
   options = dict(rownorm=rownorm, scale=scale, config=config, interpret=interpret)
 
