@@ -19,8 +19,9 @@ and the measured peak, each configuration in a process of its own so that
 peaks do not carry over (this one leaves the GPUs alone). `--profile` adds
 each GPU's kernel, collective and idle time per call (PyTorch's CUPTI
 profiler; ring and decoding, whose multi-GPU throughput can be bound by the
-host's dispatch of one program per GPU). NVLink multicast stays off (NCCL_NVLS_ENABLE=0). `--small` runs
-on two simulated CPU devices. Writes `multi_gpu.json` to `--out`.
+host's dispatch of one program per GPU). NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0). `--small` runs on two simulated CPU devices. Writes
+`multi_gpu.json` to `--out`.
 """
 from __future__ import annotations
 

@@ -544,7 +544,8 @@ def multi_gpu(folders) -> list[str]:
       if one and r and one["time_ms"] and r["time_ms"]:
         speedup[seq, "decode", n] = one["time_ms"] / r["time_ms"]
   doc = docs[0]
-  versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items() if v and k in ("jax", "torch"))
+  versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items()
+                       if v and k in ("jax", "torch"))
   files = ", ".join(f"`{d['path']}`" for d in docs + ([before] if before else []))
   at = lambda key: f"{speedup[key]:.2f}x" if key in speedup else "not measured"
   share = lambda key: f"{peaks[key]:.2f}x" if key in peaks else "not measured"
