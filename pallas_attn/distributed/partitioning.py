@@ -154,9 +154,12 @@ def _mesh_axes(mesh, q, k, v, kv_sequence: bool = False) -> tuple:
   batch_axes = _axis_names(q_spec[0]) or _axis_names(k_spec[0])
   head_axes = _axis_names(q_spec[2]) or _axis_names(k_spec[2])
   seq_axes = kv_axes.get("k", ())
+  count = math.prod(mesh.shape[a] for a in seq_axes)
+  if k.shape[1] % count:
+    raise ValueError(f"decoding: the cache length {k.shape[1]} does not split evenly over the "
+                     f"{count} devices of mesh axes {seq_axes}")
   for axes, dims, what in ((batch_axes, (q.shape[0],), "batch"),
-                           (head_axes, (q.shape[2], k.shape[2]), "query and kv head"),
-                           (seq_axes, (k.shape[1],), "cache length")):
+                           (head_axes, (q.shape[2], k.shape[2]), "query and kv head")):
     count = math.prod(mesh.shape[a] for a in axes)
     if any(d % count for d in dims):
       raise ValueError(
