@@ -169,7 +169,7 @@ def _rows(kind: str, seq: int, devices: int, result: dict) -> list[Row]:
   rows = []
   for mode in (("decode",) if kind == "decode" else ("fwd", "fwd_bwd")):
     if "error" in result:
-      rows.append(Row(name, impl, mode, None, note=result["error"][-200:]))
+      rows.append(Row(name, impl, mode, None, note=result["error"][-800:]))
       continue
     cell = dict(result[mode])
     ms = cell.pop("ms")
