@@ -44,6 +44,14 @@ def test_distributed_on_four_cpu_devices(group):
                    env_update={"XLA_FLAGS": " ".join(filter(None, flags)), "JAX_PLATFORMS": "cpu"})
 
 
+def test_zigzag_rings_on_eight_cpu_devices():
+  """The zigzag checks (relayout in and out, inputs already in the zigzag
+  order, ALiBi with sinks in bf16) on a ring of 8: any mesh size, not only 4."""
+  flags = [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]
+  run_check_script(CHECKS, "--only", "zigzag",
+                   env_update={"XLA_FLAGS": " ".join(filter(None, flags)), "JAX_PLATFORMS": "cpu"})
+
+
 def test_ring_memory_on_eight_cpu_devices():
   """The ring's gradient holds as much on 8 devices as on 4 (not one shard
   per step): compiled, not run, so interpret mode costs no kernel time."""

@@ -62,12 +62,25 @@ def _zigzag_chunks(num_devices: int) -> list[int]:
 
 
 def _reorder(x, num_devices: int, axis: int, chunks: list[int]):
+  """`x`'s 2N chunks along `axis` in the order `chunks`. An axis split over
+  devices by an explicit sharding type is gathered for the move (chunks
+  need not split evenly over the devices) and split again after it."""
   length = x.shape[axis]
   if length % (2 * num_devices):
     raise ValueError(f"the zigzag order cuts a sequence into 2 x {num_devices} equal chunks: "
                      f"length {length} (axis {axis}) does not split so")
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * x.ndim
+  split = (getattr(sharding, "mesh", None) is not None and spec[axis] is not None
+           and jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ()))
+  if split:
+    whole = jax.sharding.PartitionSpec(*(None if i == axis else spec[i] for i in range(x.ndim)))
+    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, whole))
   parts = jnp.split(x, 2 * num_devices, axis=axis)
-  return jnp.concatenate([parts[c] for c in chunks], axis=axis)
+  moved = jnp.concatenate([parts[c] for c in chunks], axis=axis)
+  if split:
+    moved = jax.sharding.reshard(moved, sharding)
+  return moved
 
 
 def zigzag_order(x, num_devices: int, axis: int = 1):
@@ -76,7 +89,8 @@ def zigzag_order(x, num_devices: int, axis: int = 1):
   2N - 1 - i of 2N: the zigzag layout, balanced under causal masks.
   Apply it to q, k, v and segment ids (once, e.g. to the token ids before
   the embedding) and pass `sequence_order="zigzag"` to
-  `context_parallel_attention`."""
+  `context_parallel_attention`. An axis sharded with an explicit sharding
+  type is gathered for the move and sharded again."""
   return _reorder(x, num_devices, axis, _zigzag_chunks(num_devices))
 
 
