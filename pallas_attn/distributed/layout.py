@@ -103,11 +103,9 @@ def natural_order(x, num_devices: int, axis: int = 1):
 def _zigzag_sources(num_devices: int) -> dict:
   """(device, slot) -> (device, slot) holding that chunk in the contiguous
   layout, where device i's slots 0 and 1 are chunks 2i and 2i + 1."""
-  sources = {}
-  for device in range(num_devices):
-    for slot, chunk in enumerate((device, 2 * num_devices - 1 - device)):
-      sources[(device, slot)] = divmod(chunk, 2)
-  return sources
+  chunks = _zigzag_chunks(num_devices)
+  return {(device, slot): divmod(chunks[2 * device + slot], 2)
+          for device in range(num_devices) for slot in (0, 1)}
 
 
 def _word(leaves) -> jnp.dtype:
