@@ -43,8 +43,7 @@ from jax import lax
 
 from pallas_attn import _inputs, api
 from pallas_attn.distributed import layout as layout_lib
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
-from pallas_attn.spec.trace import eval_inlined
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +88,16 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
     return (shift(b, place.batch_offset), shift(h, place.head_offset), q_pos(q_idx),
             kv_pos(kv_idx))
 
-  score_prog, mask_prog = ring.analysis.score_mod, ring.analysis.mask_mod
+  user_score, user_mask = as_mods(ring.analysis, consts)
   score_mod = mask_mod = None
-  if score_prog is not None:
+  if user_score is not None:
     def score_mod(score, b, h, q_idx, kv_idx):
-      return eval_inlined(score_prog.traced.jaxpr, consts[0], score,
-                          *indices(b, h, q_idx, kv_idx))[0]
-  if mask_prog is not None or q_ids is not None:
+      return user_score(score, *indices(b, h, q_idx, kv_idx))
+  if user_mask is not None or q_ids is not None:
     def mask_mod(b, h, q_idx, kv_idx):
       keep = None
-      if mask_prog is not None:
-        keep, = eval_inlined(mask_prog.traced.jaxpr, consts[1], *indices(b, h, q_idx, kv_idx))
+      if user_mask is not None:
+        keep = user_mask(*indices(b, h, q_idx, kv_idx))
       if q_ids is not None:
         same = q_ids[b, q_idx] == kv_ids[b, kv_idx]
         keep = same if keep is None else keep & same
@@ -110,8 +108,8 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
 def _step(ring: _Ring, place: _Place, step, q, block, q_ids, consts) -> tuple:
   """(the call, its captured arrays and block masks, whether any tile is
   kept) of ring step `step`: the local queries against the visiting `block`
-  (k, v, kv ids)."""
-  k, v, kv_ids = block
+  (k, v and the kv ids where there are any)."""
+  k, v, kv_ids = (*block, None)[:3]  # a message's leaves: k, v and the ids if any
   score_mod, mask_mod = _global_variant(ring, place, consts, q.shape[1], k.shape[1], step,
                                         q_ids, kv_ids)
   call, step_consts, block_masks, _, _ = api._prepare(q, k, v, score_mod=score_mod,
@@ -166,7 +164,6 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
 
   def attend(step, block, acc):
     """Step `step`'s (output, row statistic) folded into `acc` (None: alone)."""
-    block = (*block, None) if kv_ids is None else tuple(block)
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
     part = _when(live, lambda: api._attention(q, *block[:2], step_consts, block_masks, None,
                                               call=call),
@@ -197,7 +194,6 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
   like = block_like + [k, v]  # a message: the block, then the dk / dv accumulator
 
   def gradients(step, block):
-    block = (*block, None) if kv_ids is None else tuple(block)
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
 
     def compute():
@@ -208,19 +204,18 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     return _when(live, compute, lambda: tuple(jnp.zeros(x.shape, x.dtype)
                                               for x in (q, *block[:2])))
 
-  def accumulated(message, grads):
-    """The message's dk / dv accumulator plus `grads`, in float32."""
-    acc = layout_lib.unpack(message, like)[-2:]
-    return [a.astype(jnp.float32) + g.astype(jnp.float32) for a, g in zip(acc, grads)]
+  def added(acc, grads):
+    """The accumulators `acc` plus `grads`, summed in float32, in k's / v's dtype."""
+    return [(a.astype(jnp.float32) + g.astype(jnp.float32)).astype(x.dtype)
+            for a, g, x in zip(acc, grads, (k, v))]
 
   def visit(step, carry):
     """Step `step`: the message received holds this step's block and the
     accumulator of the previous step's block, to which that step's part
     (`grads`) is added before it is passed on with this block."""
     message, dq, grads = carry
-    block = layout_lib.unpack(message, like)[:len(block_like)]
-    acc = [a.astype(x.dtype) for a, x in zip(accumulated(message, grads), (k, v))]
-    received = _pass_on(ring, place, layout_lib.pack(block + acc))
+    *block, acc_k, acc_v = layout_lib.unpack(message, like)
+    received = _pass_on(ring, place, layout_lib.pack(block + added((acc_k, acc_v), grads)))
     g_q, g_k, g_v = gradients(step, block)
     return received, dq + g_q.astype(jnp.float32), (g_k, g_v)
 
@@ -232,7 +227,8 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
   last, dq, grads = lax.fori_loop(1, place.num, visit,
                                   (received, g_q.astype(jnp.float32), (g_k, g_v)))
   # The last step's block's accumulator is complete; it returns to its device.
-  final = [a.astype(x.dtype) for a, x in zip(accumulated(last, grads), (k, v))]
+  *_, acc_k, acc_v = layout_lib.unpack(last, like)
+  final = added((acc_k, acc_v), grads)
   dk, dv = layout_lib.unpack(_pass_on(ring, place, layout_lib.pack(final)), final)
   return dq.astype(q.dtype), dk, dv
 

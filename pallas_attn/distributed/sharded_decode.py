@@ -39,8 +39,7 @@ from pallas_attn.distributed.context_parallel import _resharded
 from pallas_attn.distributed.partitioning import (BATCH, HEADS, KV_HEADS, KV_SEQUENCE, Dims,
                                                   Shard, partitioned)
 from pallas_attn.kernels import backend
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
-from pallas_attn.spec.trace import eval_inlined
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
 
 
 def _check_rownorm(analysis: VariantAnalysis, sinks, heads: int):
@@ -77,20 +76,6 @@ def _global_variant(score_mod, mask_mod, q_shift, kv_offset, batch_offset, head_
     def wrapped_mask(b, h, q_idx, kv_idx):
       return mask_mod(*indices(b, h, q_idx, kv_idx))
   return wrapped_score, wrapped_mask
-
-
-def _programs(analysis: VariantAnalysis, consts) -> tuple:
-  """(score_mod, mask_mod) evaluating the analyzed programs on `consts`
-  (score_mod's, mask_mod's captured arrays, as operands of a shard)."""
-  score_mod = mask_mod = None
-  if analysis.score_mod is not None:
-    def score_mod(score, b, h, q_idx, kv_idx):
-      return eval_inlined(analysis.score_mod.traced.jaxpr, consts[0], score, b, h, q_idx,
-                          kv_idx)[0]
-  if analysis.mask_mod is not None:
-    def mask_mod(b, h, q_idx, kv_idx):
-      return eval_inlined(analysis.mask_mod.traced.jaxpr, consts[1], b, h, q_idx, kv_idx)[0]
-  return score_mod, mask_mod
 
 
 def _merge(kind: str, out, lse, sinks, axis_name):
@@ -160,7 +145,7 @@ def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks,
   options = dict(rownorm=rownorm, scale=scale, config=config, interpret=interpret)
 
   def local(shard, q, k, v, lengths, consts, sinks):
-    local_score, local_mask = _programs(analysis, consts)
+    local_score, local_mask = as_mods(analysis, consts)
     return _decode_shard(shard, q, k, v, lengths, None, sinks, score_mod=local_score,
                          mask_mod=local_mask, shard_length=k.shape[1], analysis=analysis,
                          options=options, return_lse=False)

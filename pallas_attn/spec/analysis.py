@@ -19,6 +19,7 @@ from pallas_attn.spec import captures as captures_lib
 from pallas_attn.spec import primitives, separable
 from pallas_attn.spec.captures import GATHERED
 from pallas_attn.spec.rownorm import RowNorm, analyze_rownorm
+from pallas_attn.spec.trace import eval_inlined
 from pallas_attn.spec.trace import VariantError, trace
 
 _ELEMENTWISE_ALLOWED = primitives.names(
@@ -133,6 +134,22 @@ def _check_scalar_output(traced, dtype_kind: str, name: str):
   if jnp.dtype(outs[0].aval.dtype).kind not in dtype_kind:
     raise VariantError(f"{name} returns {outs[0].aval.dtype}; expected "
                        + ("a boolean" if dtype_kind == "b" else "a float"))
+
+
+def as_mods(analysis: VariantAnalysis, consts) -> tuple:
+  """(score_mod, mask_mod) callables evaluating the analyzed programs on
+  `consts` (score_mod's, mask_mod's captured arrays; None where a program is
+  absent): for callers that rewrap them, inside a shard_map or a partitioned
+  shard, on captured arrays given as operands rather than closed over."""
+  score_mod = mask_mod = None
+  if analysis.score_mod is not None:
+    def score_mod(score, b, h, q_idx, kv_idx):
+      return eval_inlined(analysis.score_mod.traced.jaxpr, consts[0], score, b, h, q_idx,
+                          kv_idx)[0]
+  if analysis.mask_mod is not None:
+    def mask_mod(b, h, q_idx, kv_idx):
+      return eval_inlined(analysis.mask_mod.traced.jaxpr, consts[1], b, h, q_idx, kv_idx)[0]
+  return score_mod, mask_mod
 
 
 def analyze_variant(score_mod=None, mask_mod=None, rownorm="softmax") -> VariantAnalysis:
