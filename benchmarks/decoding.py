@@ -8,7 +8,9 @@ Sq 1 at B8 8k, B8 32k, B1 128k, B64 4k; Sq 4 at B8 32k and B1 128k; a
 4096-key sliding window (causal) over B8 32k and B1 128k caches.
 Implementations: decode = `decode_attention` (kv_lengths = S); paged =
 `paged_attention` on the same keys in 16-key pages (vLLM's default),
-shuffled; attention = `attention` (Sq <= 16 dispatches to the split-KV
+shuffled; decode_fp8 / paged_fp8 = the same on an e4m3 cache with per-head
+descales (`quantize_fp8`; their GB/s count the bf16 cache's bytes, so they
+read fp8 at half the figure); attention = `attention` (Sq <= 16 dispatches to the split-KV
 template); parallel = `attention` with the parallel template's heuristic
 config (the path before split-KV); cudnn = `dot_product_attention` with
 query and key lengths (without, if cuDNN refuses them), for the window on the
@@ -40,7 +42,8 @@ CASES = {  # name: (batch, seq, seq_q, window)
 }
 SMALL = {"b2_512": (2, 512, 1, None), "b1_1k_sq4": (1, 1024, 4, None),
          "b1_1k_window256": (1, 1024, 1, 256)}
-IMPLS = ("decode", "paged", "attention", "parallel", "cudnn", "flex", "sdpa")
+IMPLS = ("decode", "paged", "decode_fp8", "paged_fp8", "attention", "parallel", "cudnn", "flex",
+         "sdpa")
 HBM_TB_S = {"h100": 3.35, "h200": 4.8, "b200": 8.0}  # peak, SXM parts
 
 
@@ -85,15 +88,32 @@ def builders(name, spec, impls):
   aligned = c.build().kwargs(None)
   keys_read = min(seq, (window or seq) + seq_q - 1)
 
-  def paged_call():
+  def paged_call(k, v, **scales):
     (k_pages, table), (v_pages, _) = paged(k), paged(v)
-    return compiled(lambda q, kp, vp, t, n: pa.paged_attention(q, kp, vp, t, n, **unaligned),
+    return compiled(lambda q, kp, vp, t, n: pa.paged_attention(q, kp, vp, t, n, **unaligned,
+                                                               **scales),
                     q, k_pages, v_pages, table, lengths)
+
+  def fp8_cache():
+    """(k, v) in e4m3 and their per-head descales (the fp8 rows' inputs)."""
+    (k8, k_descale), (v8, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
+    return k8, v8, dict(k_descale=k_descale, v_descale=v_descale)
+
+  def decode_fp8():
+    k8, v8, scales = fp8_cache()
+    return compiled(lambda q, k, v, n: pa.decode_attention(q, k, v, n, **unaligned, **scales),
+                    q, k8, v8, lengths)
+
+  def paged_fp8():
+    k8, v8, scales = fp8_cache()
+    return paged_call(k8, v8, **scales)
   config = heuristic_config(seq_q, seq, D, D, block_sparse=window is not None)
   calls = {
       "decode": lambda: compiled(lambda q, k, v, n: pa.decode_attention(q, k, v, n, **unaligned),
                                  q, k, v, lengths),
-      "paged": paged_call,
+      "paged": lambda: paged_call(k, v),
+      "decode_fp8": decode_fp8,
+      "paged_fp8": paged_fp8,
       "attention": lambda: compiled(lambda q, k, v: pa.attention(q, k, v, **aligned), q, k, v),
       "parallel": lambda: compiled(lambda q, k, v: pa.attention(q, k, v, config=config,
                                                                 **aligned), q, k, v),

@@ -4,6 +4,7 @@ from pallas_attn.api import attention
 from pallas_attn.decode import decode_attention, paged_attention
 from pallas_attn.distributed import (context_parallel_attention, ring_attention,
                                      sharded_decode_attention, sharded_paged_attention)
+from pallas_attn.fp8 import quantize_fp8
 from pallas_attn.kernels.block_mask import BlockMask
 from pallas_attn.kernels.block_mask_cache import block_mask
 from pallas_attn.linear import linear_attention, linear_attention_step
@@ -18,5 +19,5 @@ __all__ = [
     "linear_attention_step", "AttentionConfig", "LinearAttentionConfig", "analyze_variant",
     "VariantError", "variants", "decode_attention", "paged_attention", "DecodeConfig",
     "context_parallel_attention", "ring_attention", "sharded_decode_attention",
-    "sharded_paged_attention",
+    "sharded_paged_attention", "quantize_fp8",
 ]

@@ -10,20 +10,35 @@ import jax.numpy as jnp
 from pallas_attn.spec.analysis import VariantAnalysis
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FP8_CACHE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)  # decoding dequantizes them on load
+
+
+def is_fp8(x) -> bool:
+  return jnp.dtype(x.dtype) in tuple(map(jnp.dtype, FP8_CACHE_DTYPES))
 
 
 def check_qkv(q, k, v, *, k_name: str = "k", v_name: str = "v",
-              kv_layout: str = "[batch, seq, heads, head_dim]"):
+              kv_layout: str = "[batch, seq, heads, head_dim]", fp8_cache: bool = False):
   """The checks every entry point makes of q and a K/V pair: 4-D arrays of
-  one supported dtype, equal q/k head dims, query heads a multiple of kv
-  heads (GQA/MQA)."""
+  one supported dtype (with `fp8_cache`, also a K/V pair of one fp8 dtype
+  against a bfloat16 / float16 q), equal q/k head dims, query heads a
+  multiple of kv heads (GQA/MQA)."""
   for i, (name, x) in enumerate((("q", q), (k_name, k), (v_name, v))):
     if getattr(x, "ndim", None) != 4:
       layout = "[batch, seq, heads, head_dim]" if i == 0 else kv_layout
       raise ValueError(f"{name} must be {layout}; got shape {getattr(x, 'shape', None)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
-  if not q.dtype == k.dtype == v.dtype:
+    if x.dtype not in SUPPORTED_DTYPES and not (fp8_cache and i and is_fp8(x)):
+      fp8 = " (and float8_e4m3fn / float8_e5m2 for a decoding cache)" if fp8_cache else ""
+      raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, "
+                      f"float16{fp8}")
+  if is_fp8(k) or is_fp8(v):
+    if k.dtype != v.dtype:
+      raise TypeError(f"{k_name} and {v_name} must share an fp8 dtype; got {k.dtype}, "
+                      f"{v.dtype}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+      raise TypeError(f"an fp8 cache is read against a bfloat16 or float16 query (dequantized "
+                      f"on load); q has dtype {q.dtype}")
+  elif not q.dtype == k.dtype == v.dtype:
     raise TypeError(f"q, {k_name}, {v_name} must share a dtype; got {q.dtype}, {k.dtype}, "
                     f"{v.dtype}")
   if q.shape[3] != k.shape[3]:
@@ -65,3 +80,23 @@ def resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
   if not jnp.issubdtype(sinks.dtype, jnp.floating):
     raise TypeError(f"sinks must be floating point; got {sinks.dtype}")
   return sinks
+
+
+def descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cache"):
+  """`[B, Hkv, 2]` float32 (k's, v's descale per sequence and kv head) from
+  scalars or `[B, Hkv]` arrays (None: 1), for an fp8 cache; None for another
+  cache, which takes no descales."""
+  heads_kv = k.shape[2]
+  if not is_fp8(k):
+    if k_descale is not None or v_descale is not None:
+      raise TypeError(f"k_descale / v_descale scale an fp8 cache (real values are "
+                      f"x.astype(float32) * descale); {k_name} has dtype {k.dtype}")
+    return None
+  scales = []
+  for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+    x = jnp.ones((), jnp.float32) if x is None else jnp.asarray(x, jnp.float32)
+    if x.shape not in ((), (batch, heads_kv)):
+      raise ValueError(f"{name} must be a scalar or [B, Hkv] = [{batch}, {heads_kv}]; got "
+                       f"shape {x.shape}")
+    scales.append(jnp.broadcast_to(x, (batch, heads_kv)))
+  return jnp.stack(scales, axis=-1)

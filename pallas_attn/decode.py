@@ -14,7 +14,8 @@ from pallas_attn.distributed import partitioning, sharded_decode
 
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mod=None,
-                     rownorm="softmax", sinks=None, scale=None, config=None, interpret=None):
+                     rownorm="softmax", sinks=None, scale=None, config=None, interpret=None,
+                     k_descale=None, v_descale=None):
   """Attention of a few new query tokens against a KV cache of ragged length.
 
   q `[B, Sq, Hq, D]` with 1 <= Sq <= 16 (one token, or a few for
@@ -37,6 +38,13 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mo
   decide key blocks (causal, sliding windows) split only the live blocks: a
   window of w keys reads about w keys, whatever the cache length.
 
+  An fp8 cache (`float8_e4m3fn` or `float8_e5m2` k_cache and v_cache,
+  against a bfloat16 / float16 q) is read at half a bf16 cache's bytes and
+  dequantized on load: real values are `x.astype(float32) * descale`, with
+  `k_descale` / `v_descale` float32 scalars or `[B, Hkv]` (None: 1); the
+  scores score_mod sees are the real ones. `pallas_attn.quantize_fp8` makes
+  a cache and its descales.
+
   Under `jax.jit` the cache may be sharded (a `NamedSharding`): over its
   batch and heads (q alike), each device decodes its part; over its
   sequence, each device decodes its run of positions and the parts merge
@@ -51,7 +59,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mo
   split_kv.validate(q, k_cache, v_cache, kv_lengths, "k_cache", "v_cache")
   lengths = split_kv.checked_lengths(kv_lengths, q.shape[1], k_cache.shape[1])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, sinks=sinks,
-                 scale=scale, config=config, interpret=interpret)
+                 scale=scale, config=config, interpret=interpret, k_descale=k_descale,
+                 v_descale=v_descale)
   if not partitioning.may_shard():
     return split_kv.run_decode(q, k_cache, v_cache, lengths, None, k_cache.shape[1],
                                **options)[0]
@@ -60,7 +69,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mo
 
 def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=None,
                     mask_mod=None, rownorm="softmax", sinks=None, scale=None, config=None,
-                    interpret=None):
+                    interpret=None, k_descale=None, v_descale=None):
   """`decode_attention` on a paged KV cache (vLLM's and JAX's layout).
 
   k_pages `[num_pages, page_size, Hkv, D]`, v_pages `[num_pages,
@@ -74,7 +83,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
   be in [0, num_pages): checked when the table and lengths are concrete;
   otherwise indices are clamped into the pages (a wrong index reads another
   page, never out of bounds). Entries past a sequence's length are never
-  read (padding such as -1 is fine). Forward only, as `decode_attention`.
+  read (padding such as -1 is fine). Pages of fp8 with their descales as
+  in `decode_attention`. Forward only, as `decode_attention`.
   """
   split_kv.validate(q, k_pages, v_pages, kv_lengths, "k_pages", "v_pages", paged=True)
   split_kv.check_page_table(page_table, q.shape[0], "max_pages")
@@ -84,4 +94,5 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=No
   split_kv.check_pages(page_table, lengths, page_size, k_pages.shape[0])
   return split_kv.run_decode(q, k_pages, v_pages, lengths, page_table, max_length,
                              score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm,
-                             sinks=sinks, scale=scale, config=config, interpret=interpret)[0]
+                             sinks=sinks, scale=scale, config=config, interpret=interpret,
+                             k_descale=k_descale, v_descale=v_descale)[0]

@@ -30,7 +30,7 @@ from pallas_attn.spec.trace import is_concrete
 
 def decode_with_statistic(q, k, v, lengths, *, page_table=None, score_mod=None, mask_mod=None,
                           rownorm="softmax", sinks=None, scale=None, config=None,
-                          interpret=None):
+                          interpret=None, k_descale=None, v_descale=None):
   """`decode_attention`'s (or with `page_table`, `paged_attention`'s)
   (output `[B, Sq, Hq, Dv]`, row statistic `[B, Hq, Sq]` float32: the
   natural log-sum-exp of each row's weights for softmax rownorms, -inf for
@@ -48,12 +48,14 @@ def decode_with_statistic(q, k, v, lengths, *, page_table=None, score_mod=None, 
   max_length = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
   return run_decode(q, k, v, jnp.asarray(lengths, jnp.int32), page_table, max_length,
                     score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, sinks=sinks,
-                    scale=scale, config=config, interpret=interpret)
+                    scale=scale, config=config, interpret=interpret, k_descale=k_descale,
+                    v_descale=v_descale)
 
 
 def validate(q, k, v, kv_lengths, k_name, v_name, paged=False):
   _inputs.check_qkv(q, k, v, k_name=k_name, v_name=v_name,
-                    kv_layout="[num_pages, page_size, Hkv, D]" if paged else "[B, S, Hkv, D]")
+                    kv_layout="[num_pages, page_size, Hkv, D]" if paged else "[B, S, Hkv, D]",
+                    fp8_cache=True)
   if k.shape[:3] != v.shape[:3]:
     raise ValueError(f"{k_name} {k.shape} and {v_name} {v.shape} differ before the head dim")
   if not paged and k.shape[0] != q.shape[0]:
@@ -146,8 +148,9 @@ class _DecodeCall:
 
 
 def run_decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod, rownorm,
-               sinks, scale, config, interpret):
-  """(output, row statistic) of the split-KV template on a checked cache."""
+               sinks, scale, config, interpret, k_descale=None, v_descale=None):
+  """(output, row statistic) of the split-KV template on a checked cache
+  (an fp8 one with its descales)."""
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   heads_kv = k.shape[2]
@@ -157,8 +160,10 @@ def run_decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod,
                      backend.resolve_interpret(interpret), queries_at_end=True,
                      page_size=None if page_table is None else k.shape[1])
   consts = consts_of(analysis)
+  descales = _inputs.descales(k_descale, v_descale, k, q.shape[0],
+                              "k_pages" if page_table is not None else "k_cache")
   with backend.triton_deprecation_ignored():
-    return _forward_only(q, k, v, lengths, page_table, consts, sinks, call=call)
+    return _forward_only(q, k, v, lengths, page_table, consts, sinks, descales, call=call)
 
 
 def consts_of(analysis: VariantAnalysis) -> tuple:
@@ -167,7 +172,8 @@ def consts_of(analysis: VariantAnalysis) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames="call")
-def _forward_only(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
+def _forward_only(q, k, v, lengths, page_table, consts, sinks, descales, *,
+                  call: _DecodeCall):
   """`_forward` (output, row statistic), raising a clear error when differentiated."""
   core = jax.custom_jvp(functools.partial(_forward, call=call))
 
@@ -176,11 +182,13 @@ def _forward_only(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeC
                     "for gradients use pallas_attn.attention on the cache sliced to the "
                     "sequence")
   core.defjvp(no_derivative)
-  return core(q, k, v, lengths, page_table, consts, sinks)
+  return core(q, k, v, lengths, page_table, consts, sinks, descales)
 
 
-def _forward(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
-  """(out `[B, Sq, Hq, Dv]`, row statistic `[B, Hq, Sq]`) of the split-KV template."""
+def _forward(q, k, v, lengths, page_table, consts, sinks, descales=None, *,
+             call: _DecodeCall):
+  """(out `[B, Sq, Hq, Dv]`, row statistic `[B, Hq, Sq]`) of the split-KV
+  template; `descales` `[B, Hkv, 2]` for an fp8 cache."""
   batch, seq_q, heads, d_qk = q.shape
   heads_kv, d_v = k.shape[2], v.shape[3]
   group = heads // heads_kv
@@ -203,9 +211,10 @@ def _forward(q, k, v, lengths, page_table, consts, sinks, *, call: _DecodeCall):
       seq_q=seq_q, group=group, d_qk=d_qk, d_v=d_v, max_length=max_length,
       queries_at_end=call.queries_at_end, page_size=call.page_size,
       has_ranges=ranges is not None, has_sink=sinks is not None, fp32_exact=fp32_exact,
-      fast_math=not (fp32_exact or call.interpret), config=cfg)
+      fast_math=not (fp32_exact or call.interpret), config=cfg,
+      descaled=descales is not None)
   return decode_forward.forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks,
-                                plan=plan, interpret=call.interpret)
+                                descales, plan=plan, interpret=call.interpret)
 
 
 def split_kv_call(analysis: VariantAnalysis, q, k, v, scale, interpret: bool):

@@ -101,11 +101,13 @@ def check_decode(num, interpret, *, seq_q, kwargs=None, dtype=jnp.float32, confi
   return summary
 
 
-def check_decode_attention_sharded(num, interpret, *, axis_type, split, seed=5):
+def check_decode_attention_sharded(num, interpret, *, axis_type, split, seed=5, fp8=False):
   """`decode_attention` itself under jit on a cache with a NamedSharding
   (`split`: the sequence over all devices, or over half of them and the
   batch or the heads over two), ALiBi at global heads, causal, sinks:
-  against the reference, and its HLO moves no cache."""
+  against the reference, and its HLO moves no cache. `fp8`: a bf16 query
+  against an e4m3 cache with per-head descales (sharded with the batch and
+  heads), against the reference on the dequantized cache."""
   names = {"sequence": ("seq",), "batch": ("data", "seq"), "heads": ("seq", "heads")}[split]
   shape = (num,) if split == "sequence" else ((2, num // 2) if split == "batch" else (num // 2, 2))
   mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
@@ -114,17 +116,26 @@ def check_decode_attention_sharded(num, interpret, *, axis_type, split, seed=5):
   seq = SHARD * num
   q, k, v = random_inputs(2, 3, seq, seed=seed)
   lengths = ragged_lengths(2, seq)
-  k_s, v_s = (jax.device_put(poisoned(x, lengths), NamedSharding(mesh, spec)) for x in (k, v))
   kwargs = (variants.alibi(slopes=jnp.linspace(0.1, 0.8, 8)) + variants.causal()).kwargs()
   kwargs["sinks"] = jnp.linspace(-1.0, 2.0, 8)
+  dtype, scales = jnp.float32, {}
+  if fp8:
+    dtype, q = jnp.bfloat16, q.astype(jnp.bfloat16)
+    (k, k_descale), (v, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
+    scales = dict(k_descale=k_descale, v_descale=v_descale)
+  k_s, v_s = (jax.device_put(poisoned(x, lengths), NamedSharding(mesh, spec)) for x in (k, v))
 
   def ours(q, k, v, lengths):
-    return pa.decode_attention(q, k, v, lengths, config=CONFIG, interpret=interpret, **kwargs)
+    return pa.decode_attention(q, k, v, lengths, config=CONFIG, interpret=interpret,
+                               **kwargs, **scales)
   compiled = jax.jit(ours).lower(q, k_s, v_s, lengths).compile()
   out = compiled(q, k_s, v_s, lengths)
+  if fp8:
+    k, v = (x.astype(jnp.float32) * scales[f"{n}_descale"][:, None, :, None]
+            for n, x in (("k", k), ("v", v)))
   want = reference(q, k, v, lengths, **kwargs)
   error = rel_err(out, want)
-  assert error <= TOLERANCE[jnp.float32], f"relative error {error}"
+  assert error <= TOLERANCE[dtype], f"relative error {error}"
   merge = out.size + out.shape[0] * out.shape[2] * out.shape[1]
   return (f"mesh {dict(mesh.shape)} {spec}, max relative error {error:.1e}; "
           + check_collectives(compiled.as_text(), merge, num))
@@ -251,9 +262,17 @@ def cases(num, interpret):
       found.append((f"decode_attention on a sharded cache ({split}, {axis_type.name}); HLO",
                     functools.partial(check_decode_attention_sharded, num, interpret,
                                       axis_type=axis_type, split=split)))
+  found.append(("decode_attention on an fp8 cache split over its sequence; HLO",
+                functools.partial(check_decode_attention_sharded, num, interpret,
+                                  axis_type=jax.sharding.AxisType.Auto, split="sequence",
+                                  fp8=True)))
   if num >= 4:
     found.append(("off-by-one softmax (a rownorm sink) on sharded caches",
                   lambda: check_rownorm_sink(num, interpret)))
+    found.append(("decode_attention on an fp8 cache split over batch and sequence; HLO",
+                  functools.partial(check_decode_attention_sharded, num, interpret,
+                                    axis_type=jax.sharding.AxisType.Explicit, split="batch",
+                                    fp8=True)))
     found.append(("Sq=4, sigmoid (elementwise), batch split over an explicit axis",
                   lambda: decode(seq_q=4, batch=4, batch_split=2, seed=4, kwargs=dict(
                       rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b,

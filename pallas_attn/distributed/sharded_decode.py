@@ -105,8 +105,8 @@ def _merge(kind: str, out, lse, sinks, axis_name):
   return out, lse
 
 
-def _decode_shard(shard: Shard, q, k, v, lengths, page_table, sinks, *, score_mod, mask_mod,
-                  shard_length: int, analysis: VariantAnalysis, options, return_lse):
+def _decode_shard(shard: Shard, q, k, v, lengths, page_table, sinks, descales, *, score_mod,
+                  mask_mod, shard_length: int, analysis: VariantAnalysis, options, return_lse):
   """One shard's decode (`shard`: its offsets, "kv" where it holds a run of
   `shard_length` cache positions), merged over `shard.kv_axes`."""
   offset = shard.offsets.get("kv")
@@ -120,7 +120,9 @@ def _decode_shard(shard: Shard, q, k, v, lengths, page_table, sinks, *, score_mo
   out, lse = split_kv.decode_with_statistic(
       q, k, v, shard_lengths, page_table=page_table, score_mod=score_mod, mask_mod=mask_mod,
       rownorm=options["rownorm"], sinks=None if merged else sinks, scale=options["scale"],
-      config=options["config"], interpret=options["interpret"])
+      config=options["config"], interpret=options["interpret"],
+      **({} if descales is None else dict(k_descale=descales[..., 0],
+                                           v_descale=descales[..., 1])))
   if merged:
     out, lse = _merge(analysis.rownorm.kind, out, lse, sinks, shard.kv_axes)
   out = out.astype(q.dtype)
@@ -133,7 +135,7 @@ OUT_DIMS = Dims((BATCH, None, HEADS, None), "the output")
 
 
 def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks, scale, config,
-                       interpret):
+                       interpret, k_descale=None, v_descale=None):
   """`decode_attention`'s output on a cache however XLA's partitioner finds
   it sharded (distributed/partitioning.py): batch and heads like q, and the
   cache's sequence, whose shards decode their run of positions and merge
@@ -142,24 +144,26 @@ def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks,
   if sinks is not None:  # checked here; a rownorm's own sink stays in the rownorm
     sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = split_kv.consts_of(analysis)
+  descales = _inputs.descales(k_descale, v_descale, k, q.shape[0])
   options = dict(rownorm=rownorm, scale=scale, config=config, interpret=interpret)
 
-  def local(shard, q, k, v, lengths, consts, sinks):
+  def local(shard, q, k, v, lengths, consts, sinks, descales):
     local_score, local_mask = as_mods(analysis, consts)
-    return _decode_shard(shard, q, k, v, lengths, None, sinks, score_mod=local_score,
-                         mask_mod=local_mask, shard_length=k.shape[1], analysis=analysis,
-                         options=options, return_lse=False)
+    return _decode_shard(shard, q, k, v, lengths, None, sinks, descales,
+                         score_mod=local_score, mask_mod=local_mask, shard_length=k.shape[1],
+                         analysis=analysis, options=options, return_lse=False)
 
   replicated = lambda x: Dims((None,) * jnp.ndim(x), "a captured array")
   arg_dims = (Q_DIMS, CACHE_DIMS, CACHE_DIMS, Dims((BATCH,), "kv_lengths"),
-              jax.tree.map(replicated, consts), None if sinks is None else Dims((HEADS,), "sinks"))
+              jax.tree.map(replicated, consts), None if sinks is None else Dims((HEADS,), "sinks"),
+              None if descales is None else Dims((BATCH, KV_HEADS, None), "the descales"))
   with backend.triton_deprecation_ignored():
-    return partitioned(local, (q, k, v, lengths, consts, sinks), arg_dims, OUT_DIMS,
+    return partitioned(local, (q, k, v, lengths, consts, sinks, descales), arg_dims, OUT_DIMS,
                        group=q.shape[2] // k.shape[2], kv_sequence=True)
 
 
-def _run(q, k, v, lengths, page_table, sinks, *, mesh, axis_name, batch_axis, shard_length,
-         analysis, options, return_lse):
+def _run(q, k, v, lengths, page_table, sinks, descales, *, mesh, axis_name, batch_axis,
+         shard_length, analysis, options, return_lse):
   """The shard_map over the mesh; the cache's sharded axis is 1 (contiguous)
   or 0 (pages, with the page table's axis 1)."""
   paged = page_table is not None
@@ -174,6 +178,9 @@ def _run(q, k, v, lengths, page_table, sinks, *, mesh, axis_name, batch_axis, sh
   if sinks is not None:
     in_specs.append(PartitionSpec())
     args.append(jnp.asarray(sinks, jnp.float32))
+  if descales is not None:
+    in_specs.append(batch)
+    args.append(descales)
   with_lse = return_lse and analysis.rownorm.kind != "elementwise"
   out_specs = (batch, PartitionSpec(batch_axis)) if with_lse else batch
 
@@ -181,11 +188,12 @@ def _run(q, k, v, lengths, page_table, sinks, *, mesh, axis_name, batch_axis, sh
     rest = list(rest)
     table = rest.pop(0) if paged else None
     local_sinks = rest.pop(0) if sinks is not None else None
+    local_descales = rest.pop(0) if descales is not None else None
     offsets = {"kv": lax.axis_index(axis_name) * shard_length}
     if batch_axis is not None:
       offsets["b"] = lax.axis_index(batch_axis) * q.shape[0]
     shard = Shard(offsets, () if batch_axis is None else (batch_axis,), (), (axis_name,))
-    return _decode_shard(shard, q, k, v, lengths, table, local_sinks,
+    return _decode_shard(shard, q, k, v, lengths, table, local_sinks, local_descales,
                          score_mod=options["score_mod"], mask_mod=options["mask_mod"],
                          shard_length=shard_length, analysis=analysis, options=options,
                          return_lse=with_lse)
@@ -218,7 +226,8 @@ def _check_mesh(mesh, axis_name, batch_axis, batch: int, length: int, what: str)
 def sharded_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name,
                              batch_axis=None, score_mod=None, mask_mod=None,
                              rownorm="softmax", sinks=None, scale=None, config=None,
-                             interpret=None, return_lse=False):
+                             interpret=None, return_lse=False, k_descale=None,
+                             v_descale=None):
   """`pallas_attn.decode_attention` on a KV cache whose sequence axis is
   split over mesh axis `axis_name`.
 
@@ -248,15 +257,17 @@ def sharded_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name
   sinks = _check_rownorm(analysis, sinks, q.shape[2])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
                  config=config, interpret=interpret)
-  return _run(q, k_cache, v_cache, lengths, None, sinks, mesh=mesh, axis_name=axis_name,
-              batch_axis=batch_axis, shard_length=seq // num, analysis=analysis,
-              options=options, return_lse=return_lse)
+  descales = _inputs.descales(k_descale, v_descale, k_cache, q.shape[0])
+  return _run(q, k_cache, v_cache, lengths, None, sinks, descales, mesh=mesh,
+              axis_name=axis_name, batch_axis=batch_axis, shard_length=seq // num,
+              analysis=analysis, options=options, return_lse=return_lse)
 
 
 def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh, axis_name,
                             batch_axis=None, score_mod=None, mask_mod=None,
                             rownorm="softmax", sinks=None, scale=None, config=None,
-                            interpret=None, return_lse=False):
+                            interpret=None, return_lse=False, k_descale=None,
+                            v_descale=None):
   """`pallas_attn.paged_attention` on a paged cache split over mesh axis
   `axis_name`: each device holds a run of positions in its own pool of pages.
 
@@ -286,6 +297,8 @@ def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh
   sinks = _check_rownorm(analysis, sinks, q.shape[2])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
                  config=config, interpret=interpret)
-  return _run(q, k_pages, v_pages, lengths, page_table.astype(jnp.int32), sinks, mesh=mesh,
-              axis_name=axis_name, batch_axis=batch_axis, shard_length=shard_length,
-              analysis=analysis, options=options, return_lse=return_lse)
+  descales = _inputs.descales(k_descale, v_descale, k_pages, q.shape[0], "k_pages")
+  return _run(q, k_pages, v_pages, lengths, page_table.astype(jnp.int32), sinks, descales,
+              mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
+              shard_length=shard_length, analysis=analysis, options=options,
+              return_lse=return_lse)

@@ -60,6 +60,7 @@ class DecodePlan(VariantPlan):
   page_size: int | None      # paged cache; None: contiguous
   has_ranges: bool           # live kv block ranges from mask_bounds.live_kv_blocks
   config: DecodeConfig       # complete (heuristic_decode_config)
+  descaled: bool = False     # an fp8 cache: k's descale folds into the scores, v's the output
 
   @property
   def rows(self) -> int:
@@ -89,6 +90,7 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
   q_ref, k_ref, v_ref = refs[:3]
   cap_refs = refs[3:3 + len(plan.operands)]
   refs = refs[3 + len(plan.operands):]
+  descale_ref = refs.pop(0) if plan.descaled else None
   sink_ref = refs.pop(0) if plan.has_sink and plan.finalizes else None
   out_ref, stats_ref = refs
   cfg, group = plan.config, plan.group
@@ -122,6 +124,9 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
     q = jnp.where(tiles.tile_indices(0, d_qk, axis=1) < plan.d_qk, q, 0)
   fold = plan.folds_log2
   qk_scale = plan.scale * LOG2E if fold else plan.scale
+  v_scale = None
+  if descale_ref is not None:  # real K = K8 * k_descale: a factor of every score
+    qk_scale, v_scale = qk_scale * descale_ref[0], descale_ref[1]
 
   slices = not plan.page_size and (d_qk, d_v) == (plan.d_qk, plan.d_v)
 
@@ -146,6 +151,8 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
     kv_start = pl.multiple_of(kv_block * bk, bk)
     index = key_index(kv_start, tail)
     k, v = load(k_ref, index, qk_cols), load(v_ref, index, v_cols)
+    if k.dtype != q.dtype:  # an fp8 cache, dequantized on load (its descales apply outside)
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
     s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * qk_scale
     kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
     s = tile.score(s, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
@@ -162,12 +169,14 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
                               lambda j, st: fold_block(j, st, False), state)
   state = jax.lax.fori_loop(jnp.maximum(start, num_inside), stop,
                             lambda j, st: fold_block(j, st, True), state)
+  # Real V = V8 * v_descale: the output is linear in V, partial or final.
+  scaled = (lambda out: out) if v_scale is None else (lambda out: out * v_scale)
   if plan.finalizes:
     out, stat = online.finalize(state)
-    out_ref[token, member, v_cols] = out.astype(out_ref.dtype)
+    out_ref[token, member, v_cols] = scaled(out).astype(out_ref.dtype)
     stats_ref[member[:, 0], token[:, 0]] = stat[:, 0]
     return
-  out_ref[rows, v_cols] = state[0]
+  out_ref[rows, v_cols] = scaled(state[0])
   for n, value in enumerate(online.partial_statistics(state)):
     stats_ref[n, rows[:, 0]] = value[:, 0]
 
@@ -196,14 +205,15 @@ def _input_specs(plan: DecodePlan, num_pages, max_pages, ranges_shape, capture_a
   return specs
 
 
-def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, *, plan: DecodePlan,
-            interpret: bool):
+def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, descales=None, *,
+            plan: DecodePlan, interpret: bool):
   """Runs the split-KV kernel and, with several splits, the combine step.
 
   q `[B, Sq, Hq, Dqk]`; k, v `[B, S_max, Hkv, D]` or, with `page_table`
-  `[B, max_pages]`, `[num_pages, page_size, Hkv, D]`; lengths `[B]` int32
-  keys per sequence; ranges `[B, Hm, 2]` live kv blocks or None; sinks
-  `[Hq]` float32 natural-log sink logits or None. Returns (out
+  `[B, max_pages]`, `[num_pages, page_size, Hkv, D]` (in q's dtype, or an
+  fp8 cache with `descales` `[B, Hkv, 2]`: k's and v's); lengths `[B]`
+  int32 keys per sequence; ranges `[B, Hm, 2]` live kv blocks or None;
+  sinks `[Hq]` float32 natural-log sink logits or None. Returns (out
   `[B, Sq, Hq, Dv]` in q's dtype, row statistic `[B, Hq, Sq]` float32 as
   `OnlineRowNorm.finalize` gives it).
   """
@@ -219,6 +229,9 @@ def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, *, plan
   if plan.page_size:
     inputs.append(page_table.astype(jnp.int32))
   inputs += [q5, k, v, *capture_arrays]
+  if plan.descaled:
+    inputs.append(descales.astype(jnp.float32))
+    in_specs.append(pl.BlockSpec((None, None, 2), lambda i, b, h: (b, h, 0)))
   sink2 = None if sinks is None else sinks.astype(jnp.float32) * LOG2E
   grid = (cfg.num_splits * plan.row_blocks, batch, heads_kv)
   blocks = plan.row_blocks
