@@ -4,10 +4,11 @@ token-by-token scan?
 
     python benchmarks/linear.py [--seq 4096 8192 16384] [--no-scan] [--passes]
 
-Shapes, B4, bf16 inputs: GLA (H16, Dk = Dv = 128, a gate per key feature),
+Shapes, B4 (`--batch`), bf16 inputs: GLA (H16, Dk = Dv = 128, a gate per key feature),
 the same with a scalar decay per head, and Mamba2-2.7B's SSD (H80, state 128,
 head dim 64, scalar decay, no scale). Implementations: ours; fla's
-`chunk_gla` / `chunk_simple_gla` (PyTorch); Mamba2's
+`chunk_gla` / `chunk_simple_gla` (PyTorch); ours on Triton alone
+(`ours_triton`: "ours" takes Mosaic GPU's forward where it runs); Mamba2's
 `mamba_chunk_scan_combined` for the scalar decays (x = v / dt, dt = -log
 decay, A = -1, B = k, C = q * scale: the same recurrence); the chunked jnp
 version (XLA) and the `lax.scan` reference (its backward only where the
@@ -48,8 +49,8 @@ SHAPES = {  # name: (heads, d_k, d_v, decay kind, scale)
 SMALL = {"gla_vector_h16_d128": (2, 32, 32, "vector", None),
          "scalar_decay_h16_d128": (2, 32, 32, "scalar", None),
          "mamba2_2.7b_h80_n128_p64": (2, 32, 16, "scalar", 1.0)}
-IMPLS = ("ours", "fla", "mamba2", "xla_chunked", "scan")
-KERNEL_TIMED = ("ours", "fla", "mamba2")  # the XLA versions are 4-200x slower
+IMPLS = ("ours", "ours_triton", "fla", "mamba2", "xla_chunked", "scan")
+KERNEL_TIMED = ("ours", "ours_triton", "fla", "mamba2")  # the XLA versions are 4-200x slower
 
 
 def make_inputs(batch, seq, heads, d_k, d_v, kind):
@@ -65,7 +66,10 @@ def make_inputs(batch, seq, heads, d_k, d_v, kind):
 
 def jax_call(attention, mode, inputs):
   """A compiled zero-argument forward, or forward+backward of every input but
-  the last (q, k, v, log_decay, ...; the last is d_out)."""
+  the last (q, k, v, log_decay, ...; the last is d_out). The forward+backward
+  returns the output too, as a training step uses it (and PyTorch's autograd
+  computes it): returning the gradients alone let XLA drop the Triton
+  forward's output pass."""
   *args, d_out = inputs
   if mode == "fwd":
     fn = jax.jit(attention)
@@ -73,7 +77,7 @@ def jax_call(attention, mode, inputs):
     def fn(*args_and_d_out):
       *args, d_out = args_and_d_out
       out, vjp = jax.vjp(attention, *args)
-      return vjp(d_out.astype(out.dtype))
+      return out, vjp(d_out.astype(out.dtype))
     fn, args = jax.jit(fn), (*args, d_out)
   jax.block_until_ready(fn(*args))
   return lambda: fn(*args)
@@ -125,6 +129,8 @@ def builders(name, shape, inputs, modes, impls, scan_backward):
   _, d_k, d_v, kind, scale = shape
   jax_fns = {
       "ours": lambda q, k, v, g: linear_attention(q, k, v, log_decay=g, scale=scale),
+      "ours_triton": lambda q, k, v, g: linear_attention(q, k, v, log_decay=g, scale=scale,
+                                                         implementation="triton"),
       "xla_chunked": lambda q, k, v, g: chunked_linear_attention_jnp(
           q, k, v, log_decay=g, scale=scale)[0],
       "scan": lambda q, k, v, g: linear_attention_reference(q, k, v, log_decay=g,
@@ -233,16 +239,19 @@ def scan_backward_fits(batch, seq, heads, d_k, d_v) -> bool:
 def main(argv=None):
   parser = sweep_parser(__doc__, SHAPES, IMPLS, [4096, 8192, 16384])
   parser.add_argument("--passes", action="store_true", help="also time each of our passes")
+  parser.add_argument("--batch", type=int, nargs="+", default=[4],
+                      help="batch sizes (rows of a batch other than 4 are named _b<batch>)")
   args = parser.parse_args(argv)
-  shapes, batch, seqs = (SMALL, 1, [128]) if args.small else (SHAPES, 4, args.seq)
+  shapes, batches, seqs = (SMALL, [1], [128]) if args.small else (SHAPES, args.batch, args.seq)
   impls = [i for i in args.impls if not (args.no_scan and i == "scan")]
   budget = harness.Budget(args.budget_s)
   rows, ratios = [], []
   for shape_name in args.shapes:
     shape = shapes[shape_name]
     heads, d_k, d_v, kind, _ = shape
-    for seq in sorted(seqs):
-      name = f"{shape_name}_{bench.seq_name(seq)}"
+    for batch, seq in ((b, s) for b in batches for s in sorted(seqs)):
+      suffix = "" if batch == 4 or args.small else f"_b{batch}"
+      name = f"{shape_name}{suffix}_{bench.seq_name(seq)}"
       inputs = make_inputs(batch, seq, heads, d_k, d_v, kind)
       found = builders(name, shape, inputs, args.modes, impls,
                        scan_backward_fits(batch, seq, heads, d_k, d_v))

@@ -17,7 +17,8 @@ dense reference it is tested against, the config dataclass it tunes):
                        schedule/config.py AttentionConfig
   split-KV decoding    kernels/decode_forward.py (forward only); reference.py;
                        DecodeConfig
-  chunked linear       kernels/linear/chunked_forward.py; vjp/linear_backward.py;
+  chunked linear       kernels/linear/chunked_forward.py (Triton), kernels/linear/
+                       mosaic_forward.py (Mosaic GPU, one kernel); vjp/linear_backward.py;
                        kernels/linear/reference.py; LinearAttentionConfig
   delta rule           kernels/linear/delta_rule.py (+ triangular.py) on the chunked
                        passes; vjp/delta_rule_backward.py; kernels/linear/reference.py;

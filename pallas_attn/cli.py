@@ -3,6 +3,7 @@
   pallas-attn tune causal --seq-q 4096 --d-qk 128 --budget 60
   pallas-attn bench vanilla causal softcap --seq-q 4096
   pallas-attn explain my_variant.py --seq-q 2048
+  pallas-attn explain-linear --decay step --batch 4 --heads 16 --seq-q 4096 --d-qk 128
   pallas-attn demo ...
   pallas-attn cache list | clear | export PATH | merge PATH
 
@@ -224,6 +225,30 @@ def cmd_explain(args) -> int:
   return 0
 
 
+LINEAR_DECAYS = ("none", "head", "step", "feature")
+
+
+def cmd_explain_linear(args) -> int:
+  """Which lowering `linear_attention` runs at a shape, and why."""
+  import jax.numpy as jnp
+  from pallas_attn.linear import linear_attention_lowering
+  shape = _shape(args)
+  batch, seq, heads, d_k = shape.q_shape
+  dtype = jnp.dtype(args.dtype)
+  q, v = jnp.zeros(shape.q_shape, dtype), jnp.zeros(shape.v_shape, dtype)
+  log_decay = {"none": None, "head": (heads,), "step": (batch, seq, heads),
+               "feature": (batch, seq, heads, d_k)}[args.decay]
+  if log_decay is not None:
+    log_decay = jnp.zeros(log_decay, jnp.float32)
+  beta = jnp.zeros((batch, seq, heads), dtype) if args.delta else None
+  lowering = linear_attention_lowering(q, q, v, log_decay=log_decay, beta=beta,
+                                       normalize=args.normalize)
+  print(f"linear attention, decay {args.decay}{', delta rule' if args.delta else ''}"
+        f"{', normalize' if args.normalize else ''}; shape {bench_lib.describe_shape(shape)}")
+  print(lowering.describe())
+  return 0
+
+
 def cmd_demo(args) -> int:
   from pallas_attn import demo
   return demo.main(args.extra)
@@ -318,6 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
   explain.add_argument("--verbose", action="store_true",
                        help="list every pruned config with its reason")
   explain.set_defaults(run=cmd_explain)
+
+  explain_linear = commands.add_parser(
+      "explain-linear", help="show which lowering linear_attention runs at a shape, and why")
+  explain_linear.add_argument("--decay", choices=LINEAR_DECAYS, default="step",
+                              help="log_decay's form: none, one per head, per step and head, "
+                              "per key feature (GLA)")
+  explain_linear.add_argument("--delta", action="store_true", help="the delta rule (beta given)")
+  explain_linear.add_argument("--normalize", action="store_true")
+  _add_shape_args(explain_linear, seq=4096)
+  explain_linear.set_defaults(run=cmd_explain_linear)
 
   # Every argument after `demo` (--help included) goes to pallas_attn.demo.main.
   demo = commands.add_parser("demo", add_help=False,

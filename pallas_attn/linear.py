@@ -87,6 +87,8 @@ import jax.numpy as jnp
 
 from pallas_attn import _templates
 from pallas_attn.kernels import backend
+from pallas_attn.kernels import lowering as lowering_lib
+from pallas_attn.kernels.linear import mosaic_forward
 from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
 from pallas_attn.schedule.device import device_config
@@ -121,6 +123,58 @@ def _kernel_decay_kind(kind: str) -> str:
   return "scalar" if kind == spec_lib.DECAY_PER_HEAD else kind
 
 
+def _tiles(spec: spec_lib.LinearAttentionSpec, chunk_size: int | None,
+           config: LinearAttentionConfig | None):
+  """(config, chunk, padded Dk', padded Dv') of a call: the given config or
+  its template's default; Dv' counts normalize's ones column."""
+  d_values = spec.d_v + int(spec.normalize)
+  if config is None:
+    template = _templates.LINEAR_FORWARD
+    if spec.state_update == spec_lib.UPDATE_DELTA:
+      template = (_templates.DELTA_RULE_PER_FEATURE
+                  if spec.decay_kind == spec_lib.DECAY_VECTOR else _templates.DELTA_RULE)
+    rows = (spec.batch, spec.seq_len, spec.heads)
+    config = template.default_config(ProblemShape.from_shapes(
+        rows + (spec.d_feature,), rows + (spec.d_feature,), rows + (d_values,), spec.dtype))
+  return (config, chunk_size or config.chunk_size, next_power_of_2(max(spec.d_feature, 16)),
+          next_power_of_2(max(d_values, 16)))
+
+
+def _out_dtype(spec: spec_lib.LinearAttentionSpec) -> str:
+  """The kernels' output dtype: float32 under normalize (its ones column)."""
+  return jnp.dtype(jnp.float32 if spec.normalize else spec.dtype).name
+
+
+def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionSpec, *,
+                     d_feature: int, d_values: int, chunk: int,
+                     interpret: bool) -> lowering_lib.Lowering:
+  """The forward's lowering: Mosaic GPU where its kernel runs the call
+  (kernels/linear/mosaic_forward.py) and has the programs to fill the GPU,
+  else Triton; an explicit "mosaic_gpu" that cannot run raises with the
+  reason."""
+  if implementation not in (None, *lowering_lib.IMPLEMENTATIONS):
+    raise ValueError(f"implementation must be None, 'mosaic_gpu' or 'triton'; got "
+                     f"{implementation!r}")
+  backward_why = "the chunked backward has no Mosaic GPU kernel yet"
+  if implementation == lowering_lib.TRITON:
+    return lowering_lib.Lowering(lowering_lib.TRITON, "implementation='triton' was asked for",
+                                 lowering_lib.TRITON, backward_why)
+  why = mosaic_forward.obstacle(
+      decay_kind=_kernel_decay_kind(spec.decay_kind),
+      delta=spec.state_update == spec_lib.UPDATE_DELTA, dtype=spec.dtype,
+      out_dtype=_out_dtype(spec), d_feature=d_feature, d_values=d_values, chunk_size=chunk)
+  if why is None and interpret:
+    why = "interpret mode (the Mosaic GPU kernel runs compiled only)"
+  if why is None and implementation is None:
+    why = mosaic_forward.too_few_programs(
+        spec.batch * spec.heads * (d_values // mosaic_forward.BLOCK_V), device_config().sm_count)
+  if why is not None and implementation == lowering_lib.MOSAIC_GPU:
+    raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {why}. Pass "
+                     "implementation=None to fall back to Triton.")
+  return lowering_lib.Lowering(lowering_lib.TRITON if why else lowering_lib.MOSAIC_GPU,
+                               why or "", lowering_lib.TRITON, backward_why)
+
+
 def linear_attention(q, k, v, *, log_decay=None, beta=None,
                      q_mod: FeatureMap | None = None,
                      k_mod: FeatureMap | None = None, normalize: bool = False,
@@ -128,7 +182,8 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
                      return_final_state: bool = False,
                      chunk_size: int | None = None,
                      config: LinearAttentionConfig | None = None,
-                     interpret: bool | None = None):
+                     interpret: bool | None = None,
+                     implementation: str | None = None):
   """Decayed linear attention over a sequence (see the module docstring).
 
   Args:
@@ -150,6 +205,11 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
     config: a LinearAttentionConfig (chunk_size, block_v, num_warps,
       num_stages); a heuristic picks one when None.
     interpret: run the kernels in Pallas interpret mode (default: on CPU).
+    implementation: the forward's lowering. None: Mosaic GPU (one kernel
+      per (batch, head, Dv block) carrying the state, Hopper) where it runs
+      the call, else Triton (`linear_attention_lowering` says which and
+      why); "mosaic_gpu" raises where it cannot; "triton". The backward
+      runs Triton's passes either way.
 
   Returns:
     o [B, S, H, Dv] in q's dtype, or (o, final_state) with
@@ -166,17 +226,8 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
     values = jnp.concatenate([v, jnp.ones(v.shape[:3] + (1,), v.dtype)], -1)
   if initial_state is None:
     initial_state = jnp.zeros(spec.state_shape, jnp.float32)
-  d_feature = next_power_of_2(max(spec.d_feature, 16))
-  d_values = next_power_of_2(max(values.shape[-1], 16))
+  config, chunk, d_feature, d_values = _tiles(spec, chunk_size, config)
   decay_kind = _kernel_decay_kind(spec.decay_kind)
-  if config is None:
-    template = _templates.LINEAR_FORWARD
-    if spec.state_update == spec_lib.UPDATE_DELTA:
-      template = (_templates.DELTA_RULE_PER_FEATURE if decay_kind == spec_lib.DECAY_VECTOR
-                  else _templates.DELTA_RULE)
-    config = template.default_config(ProblemShape.from_shapes(
-        q_features.shape, k_features.shape, values.shape, q.dtype))
-  chunk = chunk_size or config.chunk_size
   block_v = min(config.block_v, d_values)
   seq_len = math.ceil(spec.seq_len / chunk) * chunk
   padded = (spec.batch, seq_len, spec.heads)
@@ -184,13 +235,15 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
   if kernel_log_decay is not None:  # padded steps do not decay
     gate_width = (d_feature,) if kernel_log_decay.ndim == 4 else ()
     kernel_log_decay = _pad_to(kernel_log_decay, padded + gate_width)
+  interpret = backend.resolve_interpret(interpret)
+  out_dtype = _out_dtype(spec)
+  lowering = _choose_lowering(implementation, spec, d_feature=d_feature, d_values=d_values,
+                              chunk=chunk, interpret=interpret)
   schedule = ChunkedSchedule(
       decay_kind=decay_kind, scale=spec.scale,
       chunk_size=chunk, block_v=block_v, num_warps=config.num_warps,
-      num_stages=config.num_stages,
-      interpret=backend.resolve_interpret(interpret),
-      out_dtype=jnp.dtype(jnp.float32 if spec.normalize else q.dtype).name,
-      sm_count=device_config().sm_count)
+      num_stages=config.num_stages, interpret=interpret, out_dtype=out_dtype,
+      sm_count=device_config().sm_count, lowering=lowering.forward)
   padded_inputs = (
       _pad_to(q_features, padded + (d_feature,)),
       _pad_to(k_features, padded + (d_feature,)),
@@ -211,6 +264,23 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
     o = o[..., :-1] / o[..., -1:]
   o = o.astype(q.dtype)
   return (o, final_state) if return_final_state else o
+
+
+def linear_attention_lowering(q, k, v, *, log_decay=None, beta=None,
+                              q_mod: FeatureMap | None = None, k_mod: FeatureMap | None = None,
+                              normalize: bool = False, chunk_size: int | None = None,
+                              config: LinearAttentionConfig | None = None,
+                              interpret: bool | None = None,
+                              implementation: str | None = None) -> lowering_lib.Lowering:
+  """Which lowering `linear_attention` with these arguments runs, and why
+  not Mosaic GPU where it does not (`.describe()` says it in words)."""
+  spec = spec_lib.check_linear_attention(
+      q, k, v, log_decay=log_decay, q_mod=q_mod, k_mod=k_mod, normalize=normalize,
+      scale=None, initial_state=None, beta=beta)
+  spec_lib.check_linear_config(chunk_size, config)
+  _, chunk, d_feature, d_values = _tiles(spec, chunk_size, config)
+  return _choose_lowering(implementation, spec, d_feature=d_feature, d_values=d_values,
+                          chunk=chunk, interpret=backend.resolve_interpret(interpret))
 
 
 def _step_decay(log_decay_t, kind: str):

@@ -254,3 +254,12 @@ def test_bench_variant_peers_in_interpret_mode():
   by_impl = {r.impl: r for r in rows}
   assert by_impl["jax_pallas_mha"].time_ms > 0 and by_impl["xla"].tflops > 0
   assert by_impl["cudnn"].time_ms is None and by_impl["cudnn"].note
+
+
+def test_explain_linear_says_which_lowering_runs_and_why(capsys):
+  code, out, _ = run(capsys, "explain-linear", "--decay", "feature", *TINY)
+  assert code == 0
+  assert "decay feature" in out
+  assert "forward on triton (mosaic_gpu not used: " in out
+  code, out, _ = run(capsys, "explain-linear", "--decay", "none", "--delta", *TINY)
+  assert code == 0 and "delta rule" in out and "backward on triton" in out

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
+from pallas_attn.kernels.linear import mosaic_forward
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, LinearTemplate, causal_from,
     chunk_inputs, chunk_state_spec, chunked_forward, cumulative_log_decay,
@@ -185,16 +186,27 @@ def chunked_linear_attention(q, k, v, log_decay, initial_state,
   named by `schedule.decay_kind`), clamped to `LOG_DECAY_FLOOR` here.
   Returns (o, final state).
   """
-  o, final_state, _ = chunked_forward(
+  o, final_state, _ = _forward(
       q, k, v, cumulative_log_decay(log_decay, schedule), initial_state,
-      schedule)
+      schedule, keep_states=False)
   return o, final_state
+
+
+def _forward(q, k, v, log_decay_cum, initial_state, schedule: ChunkedSchedule, *,
+             keep_states: bool):
+  """(o, final state, the states entering the chunks or None) from the
+  schedule's lowering; Mosaic's one kernel stores the states only when the
+  backward keeps them."""
+  if schedule.lowering == "mosaic_gpu":
+    return mosaic_forward.forward(q, k, v, log_decay_cum, initial_state, scale=schedule.scale,
+                                  store_states=keep_states, stages=schedule.num_stages)
+  return chunked_forward(q, k, v, log_decay_cum, initial_state, schedule)
 
 
 def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
-  o, final_state, chunk_states = chunked_forward(
-      q, k, v, log_decay_cum, initial_state, schedule)
+  o, final_state, chunk_states = _forward(
+      q, k, v, log_decay_cum, initial_state, schedule, keep_states=True)
   residuals = (q, k, v, log_decay, log_decay_cum, chunk_states, final_state)
   return (o, final_state), residuals
 

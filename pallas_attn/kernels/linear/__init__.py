@@ -1,6 +1,6 @@
 """Chunked-recurrent kernels: linear attention with decays (the forward's
-state and output passes, plain-JAX references) and the delta rule's UT
-transform, which feeds the same passes. The backward kernels live in
+state and output passes, its one-kernel Mosaic GPU form, plain-JAX
+references) and the delta rule's UT transform, which feeds the same passes. The backward kernels live in
 `pallas_attn.vjp`.
 """
 from pallas_attn.kernels.linear.chunked_forward import (

@@ -79,6 +79,8 @@ class ChunkedSchedule:
   out_dtype: dtype name of the output o.
   sm_count: the device's multiprocessors (None: unknown), which the state
   pass sizes its pipeline by (`state_pass_stages`).
+  lowering: the forward's ("triton": these passes; "mosaic_gpu": the one
+  kernel of kernels/linear/mosaic_forward.py). The backward is Triton's.
   """
   decay_kind: str
   scale: float
@@ -89,6 +91,7 @@ class ChunkedSchedule:
   interpret: bool
   out_dtype: str
   sm_count: int | None = None
+  lowering: str = "triton"
 
   @property
   def rows_per_program(self) -> int:

@@ -1,0 +1,240 @@
+"""The chunked template's forward in one Mosaic GPU kernel (Hopper).
+
+The Triton lowering (chunked_forward.py) runs two passes: a sequential state
+pass that stores the state entering every chunk, then a parallel output pass
+that reads them back. Here one program per (Dv block, head, batch) walks the
+chunks in order with its [Dk, block_v] state in float32 wgmma registers, so
+the states go to device memory only when the backward keeps them (B H S/C Dk
+Dv of them: at B4 H16 S4096 d128, 134 MB in bf16, 2.7x q, k and v together).
+Per chunk, with g the chunk's cumulative base-2 log decays and S the state
+entering it (the algebra of chunked_forward.py):
+
+  o  = scale * (2^g * (Q S) + ((Q K^T) * D) V),   D_ij = 2^(g_i - g_j), i >= j
+  S <- 2^g_last * S + K^T (2^(g_last - g) * V)
+
+A producer warpgroup streams the q, k, v (and g) chunks by TMA into a ring
+of `stages` slots. One consumer warpgroup issues Q K^T and Q S together,
+weighs the scores, then P V (P from registers) and K^T V' (K^T read
+transposed from shared memory) on the tensor cores. Q S reads the state in
+the input dtype from shared memory, as the Triton output pass reads its
+stored states; the carried state stays float32. Every exponent is <= 0.
+
+Scope (`obstacle` says what falls back to Triton): decay kinds "none" and
+"scalar", 16-bit inputs and outputs, 64-token chunks, Dk' 64 or 128 and Dv'
+a multiple of 64, and enough programs to fill the GPU (each walks its
+sequence alone, so with few of them the Triton passes' parallel output pass
+keeps more SMs busy).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import mosaic_backend as mb
+
+CHUNK = 64        # tokens per chunk: the M of one warpgroup's wgmma
+BLOCK_V = 64      # Dv columns per program: 128 rows of the float32 state in 64 registers
+FEATURE_WIDTHS = (64, 128)
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+
+
+def obstacle(*, decay_kind: str, delta: bool, dtype, out_dtype, d_feature: int, d_values: int,
+             chunk_size: int) -> str | None:
+  """Why this kernel cannot run a call, or None (sizes padded as the
+  kernels see them)."""
+  reason = mb.unavailable()
+  if reason:
+    return reason
+  if delta:
+    return "the delta rule has no Mosaic GPU kernel yet"
+  if decay_kind not in ("none", "scalar"):
+    return f"decay kind {decay_kind!r} (a gate per key feature) has no Mosaic GPU kernel yet"
+  if jnp.dtype(dtype).itemsize != 2:
+    return f"{jnp.dtype(dtype).name} inputs (the kernel takes 16-bit ones)"
+  if jnp.dtype(out_dtype).itemsize != 2:
+    return "normalize's float32 output (the kernel writes 16-bit ones)"
+  if chunk_size != CHUNK:
+    return f"chunk_size {chunk_size} (the kernel takes {CHUNK})"
+  if d_feature not in FEATURE_WIDTHS:
+    return f"padded Dk {d_feature} (the kernel takes {' or '.join(map(str, FEATURE_WIDTHS))})"
+  if d_values % BLOCK_V:
+    return f"padded Dv {d_values} (the kernel takes multiples of {BLOCK_V})"
+  return None
+
+
+def too_few_programs(num_programs: int, sm_count: int | None) -> str | None:
+  """Why the Triton passes are the better default for a grid of
+  `num_programs` (B * H * Dv' / BLOCK_V), or None: each program walks its
+  sequence alone, while the Triton output pass spreads the chunks over
+  every SM. On an H100 at S 4096 (d 128): 32 programs ran 0.131 ms against
+  Triton's 0.108, 64 ran 0.129 against 0.142, 80 (Mamba2's 80 heads, Dv
+  64) 0.131 against 0.214."""
+  if sm_count and num_programs * 3 < sm_count:
+    return (f"{num_programs} programs (B * H * Dv / {BLOCK_V}) for {sm_count} SMs: the Triton "
+            "passes spread the chunks over more")
+  return None
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, decay: bool, stages: int, num_chunks: int,
+            scale: float, store_states: bool):
+  refs = list(refs)
+  g_ref = refs.pop(0) if decay else None
+  initial_ref, out_ref, final_ref = refs[:3]
+  del refs[:3]
+  states_ref = refs.pop(0) if store_states else None
+  q_smem, k_smem, v_smem = refs[:3]
+  del refs[:3]
+  g_smem = refs.pop(0) if decay else None
+  weighted_v_smem, state_smem, o_smem, ready, free = refs
+  dtype = q_ref.dtype
+  columns = pl.ds(lax.axis_index("v") * BLOCK_V, BLOCK_V)
+  b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+
+  @pl.when(wg == 1)
+  def _producer():
+    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    def load(c, carry):
+      rows = pl.ds(c * CHUNK, CHUNK)
+      copies = [(q_ref.at[b, rows, h], q_smem, ready, free),  # one wait frees the slot
+                (k_ref.at[b, rows, h], k_smem, ready, None),
+                (v_ref.at[b, rows, h, columns], v_smem, ready, None)]
+      if decay:
+        copies.append((g_ref.at[b, h, rows], g_smem, ready, None))
+      mb.refill(c, stages, copies)
+      return carry
+
+    lax.fori_loop(0, num_chunks, load, None)
+
+  @pl.when(wg == 0)
+  def _consumer():
+    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    tile_layout = mb.plgpu.Layout.WGMMA
+    row_layout, column_layout = tile_layout.reduce(1), tile_layout.reduce(0)
+    # TMA groups in flight that a wait may leave: with stored states, the
+    # state store issued after the output store being waited for.
+    later_stores = 1 if store_states else 0
+
+    def publish(c, state):
+      """Makes `state` (entering chunk c, in the input dtype) the operand of
+      chunk c's Q S and, for the backward, stores it."""
+      if store_states:  # the previous state's store has left state_smem
+        mb.plgpu.wait_smem_to_gmem(later_stores, wait_read_only=True)
+      state_smem[...] = state
+      mb.plgpu.commit_smem()
+      if store_states:
+        mb.plgpu.copy_smem_to_gmem(state_smem, states_ref.at[b, h, c, :, columns])
+
+    def walk(state_ref):
+      state_ref[...] = mb.load_ref(initial_ref.at[b, h, :, columns], layout=tile_layout,
+                                   optimized=False)
+      publish(0, state_ref[...].astype(dtype))
+
+      def step(c, carry):
+        slot = lax.rem(c, stages)
+        rows = pl.ds(c * CHUNK, CHUNK)
+        q_tile, k_tile, v_tile = q_smem.at[slot], k_smem.at[slot], v_smem.at[slot]
+        mb.plgpu.barrier_wait(ready.at[slot])
+
+        def chunk(s_ref, o_ref):
+          mb.plgpu.wgmma(s_ref, q_tile, k_tile.T)
+          mb.plgpu.wgmma(o_ref, q_tile, state_smem)
+          values, g_last = v_tile, None
+          if decay:  # 2^(g_last - g) V for the state, while Q K^T and Q S run
+            g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
+            g_last = g_smem[slot, CHUNK - 1]
+            to_end = lax.broadcast_in_dim(jnp.exp2(g_last - g_rows), (CHUNK, BLOCK_V), (0,))
+            v = mb.load_ref(v_tile, layout=tile_layout).astype(jnp.float32)
+            weighted_v_smem[...] = (v * to_end).astype(dtype)
+            mb.plgpu.commit_smem()
+            values = weighted_v_smem
+          s = s_ref[...]
+          shape = (CHUNK, CHUNK)
+          causal = mb.tile_indices(0, shape, 0) >= mb.tile_indices(0, shape, 1)
+          if decay:
+            g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
+            gap = (lax.broadcast_in_dim(g_rows, shape, (0,))
+                   - lax.broadcast_in_dim(g_columns, shape, (1,)))
+            s = s * jnp.exp2(jnp.where(causal, gap, 0.0))
+            o_ref[...] = o_ref[...] * lax.broadcast_in_dim(jnp.exp2(g_rows), (CHUNK, BLOCK_V),
+                                                           (0,))
+            state_ref[...] = state_ref[...] * jnp.exp2(g_last)
+          weights = jnp.where(causal, s, 0.0).astype(dtype)
+          # P V, then the state's update behind it; the output waits for the first.
+          mb.plgpu.wgmma(o_ref, weights, v_tile)
+          mb.plgpu.wgmma(state_ref, k_tile.T, values)
+          return mb.plgpu.wgmma_accumulator_load(o_ref, wait_n=1)
+
+        out = pl.run_scoped(chunk, mb.plgpu.ACC((CHUNK, CHUNK), jnp.float32),
+                            mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
+        mb.plgpu.wait_smem_to_gmem(later_stores, wait_read_only=True)  # o_smem is free
+        o_smem[...] = (out * scale).astype(o_smem.dtype)
+        mb.plgpu.commit_smem()
+        mb.plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h, columns])
+        state = state_ref[...].astype(dtype)
+        mb.plgpu.barrier_arrive(free.at[slot])
+
+        @pl.when(c + 1 < num_chunks)
+        def _():
+          publish(c + 1, state)
+
+        return carry
+
+      lax.fori_loop(0, num_chunks, step, None)
+      return state_ref[...]
+
+    final = pl.run_scoped(walk, mb.plgpu.ACC((initial_ref.shape[2], BLOCK_V), jnp.float32))
+    final_ref.at[b, h, :, columns][...] = final
+    mb.plgpu.wait_smem_to_gmem(0)
+
+
+def forward(q, k, v, log_decay_cum, initial_state, *, scale: float, store_states: bool,
+            stages: int = 2):
+  """o [B, S, H, Dv] in q's dtype, the final state [B, H, Dk, Dv] float32
+  and, with `store_states`, the state entering each chunk [B, H, S / C, Dk,
+  Dv] in q's dtype (the backward's residual, as chunked_forward returns it;
+  else None). Inputs as chunked_forward's, padded: S a multiple of CHUNK;
+  log_decay_cum None or [B, S, H] float32 (`chunk_cumulative_log_decay`)."""
+  batch, seq_len, heads, d_feature = q.shape
+  d_v = v.shape[-1]
+  num_chunks = seq_len // CHUNK
+  stages = min(stages, num_chunks)
+  decay = log_decay_cum is not None
+  transforms = mb.smem_transforms()
+  smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
+  scratch = [smem((stages, CHUNK, d_feature), q.dtype),
+             smem((stages, CHUNK, d_feature), k.dtype),
+             smem((stages, CHUNK, BLOCK_V), v.dtype)]
+  if decay:
+    scratch.append(mb.plgpu.SMEM((stages, CHUNK), jnp.float32))
+  scratch += [smem((CHUNK, BLOCK_V), v.dtype),           # 2^(g_last - g) V
+              smem((d_feature, BLOCK_V), q.dtype),        # the state entering the chunk
+              smem((CHUNK, BLOCK_V), q.dtype),            # the output chunk
+              mb.plgpu.Barrier(num_arrivals=3 + decay, num_barriers=stages),
+              mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+  out_type = [jax.ShapeDtypeStruct((batch, seq_len, heads, d_v), q.dtype),
+              jax.ShapeDtypeStruct((batch, heads, d_feature, d_v), jnp.float32)]
+  if store_states:
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, num_chunks, d_feature, d_v), q.dtype))
+  decays = (jnp.swapaxes(log_decay_cum, 1, 2),) if decay else ()  # [B, H, S]: TMA rows
+  kernel = mb.kernel(
+      functools.partial(_kernel, decay=decay, stages=stages,
+                        num_chunks=num_chunks, scale=scale, store_states=store_states),
+      name="linear_attention_mosaic_fwd",
+      out_type=out_type,
+      scratch_types=scratch,
+      # Dv blocks fastest: programs running together read the same q and k chunks.
+      grid=(d_v // BLOCK_V, heads, batch),
+      grid_names=("v", "h", "b"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=mb.compiler_params(False),
+  )
+  outputs = kernel(q, k, v, *decays, initial_state.astype(jnp.float32))
+  o, final_state = outputs[:2]
+  return o, final_state, (outputs[2] if store_states else None)
