@@ -13,8 +13,10 @@ head dim 64, scalar decay, no scale). Implementations: ours; fla's
 decay, A = -1, B = k, C = q * scale: the same recurrence); the chunked jnp
 version (XLA) and the `lax.scan` reference (its backward only where the
 state tape fits in half the device). Forward and forward+backward (all
-inputs differentiated) by throughput, and ours, fla's and Mamba2's by kernel
-time in alternating rounds (ratios: theirs / ours per round). `--passes`
+inputs differentiated; the output is kept, as in training) by throughput, and
+ours, fla's and Mamba2's by kernel time in alternating rounds (ratios:
+theirs / ours per round); TFLOP/s from `chunked_flops`, and each call's
+first-call seconds (`first_call_s`: compile or autotune included). `--passes`
 also times each pass of our kernels alone. Also our forward's compiled
 memory at the longest S. Writes `linear.json` to `--out`.
 """
@@ -51,6 +53,17 @@ SMALL = {"gla_vector_h16_d128": (2, 32, 32, "vector", None),
          "mamba2_2.7b_h80_n128_p64": (2, 32, 16, "scalar", 1.0)}
 IMPLS = ("ours", "ours_triton", "fla", "mamba2", "xla_chunked", "scan")
 KERNEL_TIMED = ("ours", "ours_triton", "fla", "mamba2")  # the XLA versions are 4-200x slower
+
+
+FLOP_CHUNK = 64  # the chunk the FLOP count assumes, whatever each implementation uses
+
+
+def chunked_flops(batch, seq, heads, d_k, d_v, mode):
+  """The chunked algorithm's FLOPs, counted once: per chunk of C tokens the
+  dense products Q K^T (2 C^2 Dk) and P V (2 C^2 Dv), the state term Q S and
+  the state update K^T V (2 C Dk Dv each); a backward counts two forwards."""
+  per_token = 2 * FLOP_CHUNK * (d_k + d_v) + 4 * d_k * d_v
+  return batch * seq * heads * per_token * (1 if mode == "fwd" else 3)
 
 
 def make_inputs(batch, seq, heads, d_k, d_v, kind):
@@ -257,8 +270,10 @@ def main(argv=None):
                        scan_backward_fits(batch, seq, heads, d_k, d_v))
       if args.passes:
         found.update(pass_builders(name, shape, inputs))
+      flops = {(name, mode): chunked_flops(batch, seq, heads, d_k, d_v, mode)
+               for mode in bench.MODES}
       r, q = harness.measure_calls(found, rounds=args.rounds, budget=budget, heads_second=(),
-                                   kernel_impls=KERNEL_TIMED)
+                                   kernel_impls=KERNEL_TIMED, flops=flops)
       rows += r
       ratios += q
       if seq == max(seqs):

@@ -602,6 +602,61 @@ def causal(folders) -> str:
           f"{met(dense_causal / window[1024] >= 5)}. {src.caption()}")
 
 
+BF16_PEAK_TFLOPS = 989  # H100 / H200 SXM, dense
+CHUNKED_ROWS = [  # label, case
+    ("scalar decay H16 d128, B4 4k", "scalar_decay_h16_d128_4k"),
+    ("scalar decay H16 d128, B4 8k", "scalar_decay_h16_d128_8k"),
+    ("GLA H16 d128, B4 4k", "gla_vector_h16_d128_4k"),
+    *((f"Mamba2-2.7B, B{b} {n}", f"mamba2_2.7b_h80_n128_p64{'' if b == 4 else f'_b{b}'}_{n}")
+      for b, n in ((1, "2k"), (1, "4k"), (1, "8k"), (4, "4k"), (8, "2k"), (8, "4k"), (8, "8k")))]
+
+
+def chunked_hopper(folders) -> list[str]:
+  """Issue 38's table: ours (the Mosaic GPU forward where it runs) against
+  fla, Mamba2's Triton SSD and our Triton passes, forward and f+b."""
+  src = Source(folders, [("scalar_decay_h16_d128_4k", "ours_triton", "fwd", ("kernel",))])
+  fails, rows = Failures(), []
+  over = {}  # (peer, mode, kind) -> ratios
+  for label, case in CHUNKED_ROWS:
+    cells = [label]
+    for mode in MODES:
+      mine = src.row(case, "ours", mode)
+      if mine is None:
+        cells += ["–"] * 4
+        continue
+      cells.append(f"{mine['time_ms']:#.3g} ({mine['tflops']:.0f}, "
+                   f"{100 * mine['tflops'] / BF16_PEAK_TFLOPS:.0f}%)")
+      for peer in ("fla", "mamba2", "ours_triton"):
+        found = src.ratio((case, peer, mode), (case, "ours", mode))
+        if found:
+          kind = "mamba2" if case.startswith("mamba2") else "gla" if "gla" in case else "scalar"
+          over.setdefault((peer, mode, kind), []).append(found[0])
+        cells.append(ratio_cell(found) if found or src.failure(case, peer, mode) is None
+                     else fails.cell(src, case, peer, mode))
+    first = [src.row(case, impl, "fwd", ("throughput",)) for impl in ("ours", "fla")]
+    cells.append(" / ".join(num(r and r["extra"].get("first_call_s"), ".1f") for r in first))
+    rows.append(cells)
+  header = ["row", "ours fwd ms (TFLOP/s, % peak)", "fla / ours", "Mamba2 / ours",
+            "Triton / ours", "ours f+b ms (TFLOP/s, % peak)", "fla / ours f+b",
+            "Mamba2 / ours f+b", "Triton / ours f+b", "first call s, ours / fla"]
+  low = lambda key: min(over.get(key, [0.0]))
+  footnote = "".join(f"\\* {where}: {note.split('. ')[0]}. " for note, where in fails.notes.items())
+  return [f"Kernel time per call, the median of alternating rounds; ratios: peer time / ours. "
+          f"{src.caption()}", "", *table(header, rows), "", footnote.strip(), "",
+          f"- Mamba2 SSD forward >= 2.0x Mamba2's Triton kernels: lowest "
+          f"{low(('mamba2', 'fwd', 'mamba2')):.2f}: {met(low(('mamba2', 'fwd', 'mamba2')) >= 2)}; "
+          f"forward+backward >= 1.65x: lowest {low(('mamba2', 'fwd_bwd', 'mamba2')):.2f}: "
+          f"{met(low(('mamba2', 'fwd_bwd', 'mamba2')) >= 1.65)}.",
+          f"- Scalar decay forward >= 1.5x fla: lowest {low(('fla', 'fwd', 'scalar')):.2f}: "
+          f"{met(low(('fla', 'fwd', 'scalar')) >= 1.5)}; GLA forward >= 1.5x fla: "
+          f"{low(('fla', 'fwd', 'gla')):.2f}: {met(low(('fla', 'fwd', 'gla')) >= 1.5)}; "
+          f"forward+backward >= 1.5x fla where fla runs (GLA): "
+          f"{low(('fla', 'fwd_bwd', 'gla')):.2f}: {met(low(('fla', 'fwd_bwd', 'gla')) >= 1.5)}.",
+          f"- No regression of the Triton path: Triton / ours forward lowest "
+          f"{low(('ours_triton', 'fwd', 'scalar')):.2f} (scalar), "
+          f"{low(('ours_triton', 'fwd', 'mamba2')):.2f} (Mamba2)."]
+
+
 LINEAR_SHAPES = [("GLA H16 Dk=Dv=128", "gla_vector_h16_d128"),
                  ("scalar decay H16", "scalar_decay_h16_d128"),
                  ("Mamba2-2.7B H80 N128 P64", "mamba2_2.7b_h80_n128_p64")]
@@ -771,6 +826,8 @@ SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms, and f
             ("train_example", "Issue 16: a small LM trained with the layers", train_example),
             ("decoding", "Issue 17: split-KV decoding", decoding),
             ("multi_gpu", "Issues 41 and 42: several GPUs of one host", multi_gpu),
+            ("chunked_hopper", "Issue 38: the chunked-recurrent pattern on Hopper",
+             chunked_hopper),
             ("delta_rule", "Issue 39: the delta rule (DeltaNet, Gated DeltaNet, KDA)", delta_rule),
             ("earlier", "Earlier issues (resolved): the latest measurements", earlier)]
 
