@@ -21,9 +21,11 @@ def _case(batch, seq, heads, d_k, d_v, kind, dtype, seed=0):
   log_decay = None
   if kind == "per_head":
     log_decay = -jnp.linspace(0.01, 0.5, heads)
-  elif kind == "scalar":
-    u = random((batch, seq, heads), seed=seed + 3, distribution="uniform")
-    log_decay = -(0.01 + 0.99 * u)
+  elif kind in ("scalar", "vector", "strong_vector"):
+    gate = (batch, seq, heads) + (() if kind == "scalar" else (d_k,))
+    u = random(gate, seed=seed + 3, distribution="uniform")
+    # strong_vector: up to 6 per step, spans past SPAN_LIMIT (the Triton passes run)
+    log_decay = -(0.01 + 0.99 * u) * (6.0 if kind == "strong_vector" else 1.0)
   state = random((batch, heads, d_k, d_v), jnp.float32, seed + 4)
   return q, k, v, log_decay, state
 
@@ -36,14 +38,18 @@ def _rel_err(actual, expected):
 
 
 # (batch, seq, heads, d_k, d_v, kind, dtype): ragged S, Dv below a block, Mamba2's
-# head dim 64 with state 128, fp16; asked for explicitly (the default takes Triton for
-# grids this small).
+# head dim 64 with state 128, fp16, GLA's per-feature gates (strong ones past
+# SPAN_LIMIT take the Triton passes at run time); asked for explicitly (the default
+# takes Triton for grids this small).
 CASES = {
     "scalar-bf16": (2, 200, 4, 128, 128, "scalar", jnp.bfloat16),
     "none-bf16": (2, 130, 4, 128, 64, "none", jnp.bfloat16),
     "per_head-fp16": (1, 256, 3, 64, 64, "per_head", jnp.float16),
     "mamba2-like": (1, 192, 6, 128, 64, "scalar", jnp.bfloat16),
     "narrow-dv": (2, 100, 2, 64, 40, "scalar", jnp.bfloat16),
+    "gla-bf16": (2, 200, 4, 128, 128, "vector", jnp.bfloat16),
+    "gla-d64": (1, 130, 3, 64, 64, "vector", jnp.bfloat16),
+    "gla-strong": (1, 128, 2, 128, 64, "strong_vector", jnp.bfloat16),
 }
 
 
@@ -67,7 +73,7 @@ def test_forward_and_state_match_reference(case):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("kind", ["scalar", "none"])
+@pytest.mark.parametrize("kind", ["scalar", "none", "vector"])
 def test_gradients_through_mosaic_states(kind):
   """The Triton backward reads the states the Mosaic forward stored."""
   q, k, v, log_decay, state = _case(2, 160, 4, 128, 64, kind, jnp.bfloat16, seed=7)
@@ -103,8 +109,23 @@ def test_choice_and_fallbacks():
   common = dict(delta=False, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, d_feature=128,
                 d_values=128, chunk_size=64)
   if mosaic_forward.obstacle(decay_kind="scalar", **common) is None:  # a Hopper GPU
-    assert "gate per key feature" in mosaic_forward.obstacle(decay_kind="vector", **common)
+    assert mosaic_forward.obstacle(decay_kind="vector", **common) is None
+    assert "delta rule" in mosaic_forward.obstacle(
+        decay_kind="scalar", **{**common, "delta": True})
+    assert "bfloat16's exponent range" in mosaic_forward.obstacle(
+        decay_kind="vector", **{**common, "dtype": jnp.float16})
     assert "float32" in mosaic_forward.obstacle(
         decay_kind="scalar", **{**common, "dtype": jnp.float32})
   assert "programs" in mosaic_forward.too_few_programs(32, 132)
   assert mosaic_forward.too_few_programs(64, 132) is None
+
+
+def test_gates_in_range_bounds_the_anchored_factors():
+  """The vector kind's spans, from a chunk's first row to its anchor and from
+  the anchor to its last, in base 2, against SPAN_LIMIT."""
+  chunk, anchor, limit = mosaic_forward.CHUNK, mosaic_forward.ANCHOR, mosaic_forward.SPAN_LIMIT
+  step = jnp.full((1, 2 * chunk, 1, 4), -0.5, jnp.float32)  # base 2 per step
+  cumulative = jnp.cumsum(step.reshape(1, 2, chunk, 1, 4), axis=2).reshape(step.shape)
+  assert bool(mosaic_forward.gates_in_range(cumulative))  # spans 0.5 * 32
+  strong = cumulative.at[0, chunk + anchor + 1:, 0, 3].add(-limit)  # past the anchor
+  assert not bool(mosaic_forward.gates_in_range(strong))

@@ -196,11 +196,24 @@ def _forward(q, k, v, log_decay_cum, initial_state, schedule: ChunkedSchedule, *
              keep_states: bool):
   """(o, final state, the states entering the chunks or None) from the
   schedule's lowering; Mosaic's one kernel stores the states only when the
-  backward keeps them."""
-  if schedule.lowering == "mosaic_gpu":
-    return mosaic_forward.forward(q, k, v, log_decay_cum, initial_state, scale=schedule.scale,
+  backward keeps them, and per-feature gates whose spans exceed its factors'
+  range (`mosaic_forward.gates_in_range`) take the Triton passes at run time."""
+  def triton():
+    o, final_state, chunk_states = chunked_forward(q, k, v, log_decay_cum, initial_state,
+                                                   schedule)
+    return o, final_state, chunk_states if keep_states else None
+
+  if schedule.lowering != "mosaic_gpu":
+    return triton()
+
+  def mosaic():
+    return mosaic_forward.forward(q, k, v, log_decay_cum, initial_state,
+                                  decay_kind=schedule.decay_kind, scale=schedule.scale,
                                   store_states=keep_states, stages=schedule.num_stages)
-  return chunked_forward(q, k, v, log_decay_cum, initial_state, schedule)
+
+  if schedule.decay_kind != "vector":
+    return mosaic()
+  return lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic, triton)
 
 
 def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):

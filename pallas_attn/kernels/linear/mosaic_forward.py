@@ -17,13 +17,23 @@ of `stages` slots. One consumer warpgroup issues Q K^T and Q S together,
 weighs the scores, then P V (P from registers) and K^T V' (K^T read
 transposed from shared memory) on the tensor cores. Q S reads the state in
 the input dtype from shared memory, as the Triton output pass reads its
-stored states; the carried state stays float32. Every exponent is <= 0.
+stored states; the carried state stays float32.
 
-Scope (`obstacle` says what falls back to Triton): decay kinds "none" and
-"scalar", 16-bit inputs and outputs, 64-token chunks, Dk' 64 or 128 and Dv'
-a multiple of 64, and enough programs to fill the GPU (each walks its
-sequence alone, so with few of them the Triton passes' parallel output pass
-keeps more SMs busy).
+With a gate per key feature ("vector", GLA) the decay sits inside the Dk
+contraction, so the operands carry it: Q 2^g for Q S, K 2^(g_last - g) for
+the update (both factors <= 1, written over the chunk's q and k slots), and
+for the scores Q 2^(g - g_m) K^T 2^(g_m - g) around the chunk's middle row
+m, two factors up to 2^span each, the chunk's decay from its first row to m
+or from m to its last. `gates_in_range` checks the spans of a call against
+SPAN_LIMIT at run time; beyond it the Triton passes run (their row blocks
+keep every factor <= 1).
+
+Scope (`obstacle` says what falls back to Triton): 16-bit inputs and
+outputs (bfloat16 for per-feature gates: float16 overflows at 2^16, and its
+first run here gave NaNs), 64-token chunks, Dk' 64 or 128 and Dv' a multiple of 64, no delta
+rule, and enough programs to fill the GPU (each walks its sequence alone, so
+with few of them the Triton passes' parallel output pass keeps more SMs
+busy).
 """
 from __future__ import annotations
 
@@ -39,6 +49,9 @@ from pallas_attn.kernels import mosaic_backend as mb
 CHUNK = 64        # tokens per chunk: the M of one warpgroup's wgmma
 BLOCK_V = 64      # Dv columns per program: 128 rows of the float32 state in 64 registers
 FEATURE_WIDTHS = (64, 128)
+FEATURE_SLICE = 64  # Dk columns per step of the vector kind's operand scaling
+ANCHOR = CHUNK // 2 - 1  # the vector kind's split row: two factors of half the chunk's span
+SPAN_LIMIT = 64.0  # base 2: factors up to 2^64 leave bfloat16 q and k room to 2^127
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
 
@@ -52,10 +65,11 @@ def obstacle(*, decay_kind: str, delta: bool, dtype, out_dtype, d_feature: int, 
     return reason
   if delta:
     return "the delta rule has no Mosaic GPU kernel yet"
-  if decay_kind not in ("none", "scalar"):
-    return f"decay kind {decay_kind!r} (a gate per key feature) has no Mosaic GPU kernel yet"
   if jnp.dtype(dtype).itemsize != 2:
     return f"{jnp.dtype(dtype).name} inputs (the kernel takes 16-bit ones)"
+  if decay_kind == "vector" and jnp.dtype(dtype) != jnp.bfloat16:
+    return (f"{jnp.dtype(dtype).name} inputs with a gate per key feature: the anchored "
+            f"factors (up to 2^{SPAN_LIMIT:.0f}) need bfloat16's exponent range")
   if jnp.dtype(out_dtype).itemsize != 2:
     return "normalize's float32 output (the kernel writes 16-bit ones)"
   if chunk_size != CHUNK:
@@ -65,6 +79,16 @@ def obstacle(*, decay_kind: str, delta: bool, dtype, out_dtype, d_feature: int, 
   if d_values % BLOCK_V:
     return f"padded Dv {d_values} (the kernel takes multiples of {BLOCK_V})"
   return None
+
+
+def gates_in_range(log_decay_cum) -> jax.Array:
+  """Whether every chunk's per-feature decay from its first row to ANCHOR and
+  from ANCHOR to its last spans at most SPAN_LIMIT (base 2): a traced bool
+  over the vector kind's cumulative log decays [B, S, H, Dk]."""
+  batch, seq_len, heads, width = log_decay_cum.shape
+  g = log_decay_cum.reshape(batch, seq_len // CHUNK, CHUNK, heads, width)
+  span = jnp.maximum(g[:, :, 0] - g[:, :, ANCHOR], g[:, :, ANCHOR] - g[:, :, -1])
+  return jnp.max(span) <= SPAN_LIMIT
 
 
 def too_few_programs(num_programs: int, sm_count: int | None) -> str | None:
@@ -80,8 +104,9 @@ def too_few_programs(num_programs: int, sm_count: int | None) -> str | None:
   return None
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, decay: bool, stages: int, num_chunks: int,
+def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks: int,
             scale: float, store_states: bool):
+  decay, vector = decay_kind != "none", decay_kind == "vector"
   refs = list(refs)
   g_ref = refs.pop(0) if decay else None
   initial_ref, out_ref, final_ref = refs[:3]
@@ -90,7 +115,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay: bool, stages: int, num_chunks: in
   q_smem, k_smem, v_smem = refs[:3]
   del refs[:3]
   g_smem = refs.pop(0) if decay else None
-  weighted_v_smem, state_smem, o_smem, ready, free = refs
+  # scalar: 2^(g_last - g) V; vector: Q 2^(g - g_m) and K 2^(g_m - g)
+  scaled_smem = [refs.pop(0) for _ in range(2 if vector else 1 if decay else 0)]
+  state_smem, o_smem, ready, free = refs
   dtype = q_ref.dtype
   columns = pl.ds(lax.axis_index("v") * BLOCK_V, BLOCK_V)
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
@@ -105,7 +132,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay: bool, stages: int, num_chunks: in
                 (k_ref.at[b, rows, h], k_smem, ready, None),
                 (v_ref.at[b, rows, h, columns], v_smem, ready, None)]
       if decay:
-        copies.append((g_ref.at[b, h, rows], g_smem, ready, None))
+        g_rows = g_ref.at[b, rows, h] if vector else g_ref.at[b, h, rows]
+        copies.append((g_rows, g_smem, ready, None))
       mb.refill(c, stages, copies)
       return carry
 
@@ -141,22 +169,49 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay: bool, stages: int, num_chunks: in
         q_tile, k_tile, v_tile = q_smem.at[slot], k_smem.at[slot], v_smem.at[slot]
         mb.plgpu.barrier_wait(ready.at[slot])
 
+        def anchor_operands():
+          """Vector kind: Q 2^(g - g_m) and K 2^(g_m - g) for the scores; Q 2^g
+          and K 2^(g_last - g) over the slot's q and k (FEATURE_SLICE columns
+          at a time: a [C, Dk] float32 tile is 64 registers a thread)."""
+          anchored_q, anchored_k = scaled_smem
+          for first in range(0, q_tile.shape[-1], FEATURE_SLICE):
+            cols = pl.ds(first, FEATURE_SLICE)
+            shape = (CHUNK, FEATURE_SLICE)
+            g = mb.load_ref(g_smem.at[slot, :, cols], layout=tile_layout, optimized=False)
+            g_at = lambda row: lax.broadcast_in_dim(
+                mb.load_ref(g_smem.at[slot, row, cols], layout=column_layout,
+                            optimized=False), shape, (1,))
+            g_anchor, g_last = g_at(ANCHOR), g_at(CHUNK - 1)
+            q = mb.load_ref(q_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
+            k = mb.load_ref(k_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
+            anchored_q.at[:, cols][...] = (q * jnp.exp2(g - g_anchor)).astype(dtype)
+            anchored_k.at[:, cols][...] = (k * jnp.exp2(g_anchor - g)).astype(dtype)
+            q_tile.at[:, cols][...] = (q * jnp.exp2(g)).astype(dtype)
+            k_tile.at[:, cols][...] = (k * jnp.exp2(g_last - g)).astype(dtype)
+          mb.plgpu.commit_smem()
+          return anchored_q, anchored_k
+
         def chunk(s_ref, o_ref):
-          mb.plgpu.wgmma(s_ref, q_tile, k_tile.T)
+          score_q, score_k = anchor_operands() if vector else (q_tile, k_tile)
+          mb.plgpu.wgmma(s_ref, score_q, score_k.T)
           mb.plgpu.wgmma(o_ref, q_tile, state_smem)
-          values, g_last = v_tile, None
-          if decay:  # 2^(g_last - g) V for the state, while Q K^T and Q S run
+          values = v_tile
+          if decay and not vector:  # 2^(g_last - g) V for the state, while Q K^T and Q S run
             g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
             g_last = g_smem[slot, CHUNK - 1]
             to_end = lax.broadcast_in_dim(jnp.exp2(g_last - g_rows), (CHUNK, BLOCK_V), (0,))
             v = mb.load_ref(v_tile, layout=tile_layout).astype(jnp.float32)
-            weighted_v_smem[...] = (v * to_end).astype(dtype)
+            scaled_smem[0][...] = (v * to_end).astype(dtype)
             mb.plgpu.commit_smem()
-            values = weighted_v_smem
+            values = scaled_smem[0]
           s = s_ref[...]
           shape = (CHUNK, CHUNK)
           causal = mb.tile_indices(0, shape, 0) >= mb.tile_indices(0, shape, 1)
-          if decay:
+          if vector:  # the state decays per Dk row
+            g_last = mb.load_ref(g_smem.at[slot, CHUNK - 1], layout=row_layout, optimized=False)
+            state_ref[...] = state_ref[...] * lax.broadcast_in_dim(
+                jnp.exp2(g_last), state_ref.shape, (0,))
+          elif decay:
             g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
             gap = (lax.broadcast_in_dim(g_rows, shape, (0,))
                    - lax.broadcast_in_dim(g_columns, shape, (1,)))
@@ -193,37 +248,44 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay: bool, stages: int, num_chunks: in
     mb.plgpu.wait_smem_to_gmem(0)
 
 
-def forward(q, k, v, log_decay_cum, initial_state, *, scale: float, store_states: bool,
-            stages: int = 2):
+def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: float,
+            store_states: bool, stages: int = 2):
   """o [B, S, H, Dv] in q's dtype, the final state [B, H, Dk, Dv] float32
   and, with `store_states`, the state entering each chunk [B, H, S / C, Dk,
   Dv] in q's dtype (the backward's residual, as chunked_forward returns it;
   else None). Inputs as chunked_forward's, padded: S a multiple of CHUNK;
-  log_decay_cum None or [B, S, H] float32 (`chunk_cumulative_log_decay`)."""
+  log_decay_cum None, [B, S, H] or [B, S, H, Dk] float32 (decay kinds
+  "none", "scalar", "vector"; `chunk_cumulative_log_decay`). The vector
+  kind's factors assume `gates_in_range`."""
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
   num_chunks = seq_len // CHUNK
   stages = min(stages, num_chunks)
-  decay = log_decay_cum is not None
   transforms = mb.smem_transforms()
   smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
   scratch = [smem((stages, CHUNK, d_feature), q.dtype),
              smem((stages, CHUNK, d_feature), k.dtype),
              smem((stages, CHUNK, BLOCK_V), v.dtype)]
-  if decay:
-    scratch.append(mb.plgpu.SMEM((stages, CHUNK), jnp.float32))
-  scratch += [smem((CHUNK, BLOCK_V), v.dtype),           # 2^(g_last - g) V
-              smem((d_feature, BLOCK_V), q.dtype),        # the state entering the chunk
+  decays = ()
+  if decay_kind == "scalar":
+    decays = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
+    scratch += [mb.plgpu.SMEM((stages, CHUNK), jnp.float32),
+                smem((CHUNK, BLOCK_V), v.dtype)]          # 2^(g_last - g) V
+  elif decay_kind == "vector":
+    decays = (log_decay_cum,)
+    scratch += [mb.plgpu.SMEM((stages, CHUNK, d_feature), jnp.float32),
+                smem((CHUNK, d_feature), q.dtype),        # Q 2^(g - g_m)
+                smem((CHUNK, d_feature), k.dtype)]        # K 2^(g_m - g)
+  scratch += [smem((d_feature, BLOCK_V), q.dtype),        # the state entering the chunk
               smem((CHUNK, BLOCK_V), q.dtype),            # the output chunk
-              mb.plgpu.Barrier(num_arrivals=3 + decay, num_barriers=stages),
+              mb.plgpu.Barrier(num_arrivals=3 + len(decays), num_barriers=stages),
               mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
   out_type = [jax.ShapeDtypeStruct((batch, seq_len, heads, d_v), q.dtype),
               jax.ShapeDtypeStruct((batch, heads, d_feature, d_v), jnp.float32)]
   if store_states:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, num_chunks, d_feature, d_v), q.dtype))
-  decays = (jnp.swapaxes(log_decay_cum, 1, 2),) if decay else ()  # [B, H, S]: TMA rows
   kernel = mb.kernel(
-      functools.partial(_kernel, decay=decay, stages=stages,
+      functools.partial(_kernel, decay_kind=decay_kind, stages=stages,
                         num_chunks=num_chunks, scale=scale, store_states=store_states),
       name="linear_attention_mosaic_fwd",
       out_type=out_type,
