@@ -440,7 +440,12 @@ def ratio_entry(of: tuple, over: tuple, measure: str, ratio: dict) -> dict:
 # ----------------------------------------------------------------------------- results file
 
 def git_commit() -> str | None:
-  """This checkout's commit ("+dirty" with uncommitted changes), or None."""
+  """This checkout's commit ("+dirty" with uncommitted changes), or None.
+  `$PALLAS_ATTN_COMMIT` names it instead where the checkout's git metadata
+  is not the code's (a working tree copied to another machine keeps a stale
+  .git: runs on the GPU machine recorded an older commit)."""
+  if os.environ.get("PALLAS_ATTN_COMMIT"):
+    return os.environ["PALLAS_ATTN_COMMIT"]
   here = os.path.dirname(os.path.abspath(__file__))
   try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
