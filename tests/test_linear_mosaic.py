@@ -129,3 +129,18 @@ def test_gates_in_range_bounds_the_anchored_factors():
   assert bool(mosaic_forward.gates_in_range(cumulative))  # spans 0.5 * 32
   strong = cumulative.at[0, chunk + anchor + 1:, 0, 3].add(-limit)  # past the anchor
   assert not bool(mosaic_forward.gates_in_range(strong))
+
+
+@pytest.mark.hopper
+def test_feature_maps_on_mosaic_and_normalize_on_triton():
+  """Feature maps run before the kernel, so Mosaic takes them; normalize's
+  float32 output keeps the default on Triton, and says so."""
+  q, k, v, log_decay, _ = _case(4, 256, 16, 64, 64, "scalar", jnp.bfloat16)
+  phi = lambda x: jax.nn.elu(x) + 1.0
+  o = linear_attention(q, k, v, log_decay=log_decay, q_mod=phi, k_mod=phi,
+                       implementation="mosaic_gpu")
+  o_ref, _ = linear_attention_reference(q, k, v, log_decay=log_decay, q_mod=phi, k_mod=phi)
+  assert _rel_err(o, o_ref) <= TOL[jnp.bfloat16]
+  lowering = linear_attention_lowering(q, k, v, log_decay=log_decay, q_mod=phi, k_mod=phi,
+                                       normalize=True)
+  assert lowering.forward == "triton" and "normalize" in lowering.reason
