@@ -661,6 +661,10 @@ def chunked_hopper(folders) -> list[str]:
               f"forward+backward {num(gla_row('ours', 'fwd_bwd').get('time_ms'), '.2f')} ms against "
               f"Triton's {num(gla_row('ours_triton', 'fwd_bwd').get('time_ms'), '.2f')}. "
               f"{gla.caption()}")
+  memory = {n: src.row(f"mamba2_2.7b_h80_n128_p64_b1_{n}", "ours", "fwd", ("compiled_memory",))
+            for n in ("4k", "8k")}
+  memory_line = (f"- Memory linear in S (our forward's compiled bytes, arguments included, "
+                 f"Mamba2-2.7B B1): {mib(memory['4k'])} at 4k, {mib(memory['8k'])} at 8k.")
   header = ["row", "ours fwd ms (TFLOP/s, % peak)", "fla / ours", "Mamba2 / ours",
             "Triton / ours", "ours f+b ms (TFLOP/s, % peak)", "fla / ours f+b",
             "Mamba2 / ours f+b", "Triton / ours f+b", "first call s, ours / fla"]
@@ -683,7 +687,7 @@ def chunked_hopper(folders) -> list[str]:
           f"- Our Triton passes (kernels unchanged; they run the delta rule, small grids, float16 "
           f"or too strong per-feature gates, and every backward) take {low(('ours_triton', 'fwd', 'mamba2')):.2f}-"
           f"{max(over.get(('ours_triton', 'fwd', 'mamba2'), [0]) + over.get(('ours_triton', 'fwd', 'scalar'), [0])):.2f}x"
-          f" the Mosaic forward's time."]
+          f" the Mosaic forward's time.", memory_line]
 
 
 LINEAR_SHAPES = [("GLA H16 Dk=Dv=128", "gla_vector_h16_d128"),
