@@ -360,6 +360,17 @@ def test_under_jit():
   assert_close(o, o_ref, 1e-5)
 
 
+def test_under_vmap():
+  """A batch of calls mapped over a leading axis gives each call's output."""
+  q, k, v = _inputs()
+  log_decay = _log_decay("scalar", 15)
+  attend = lambda q, k, v, g: linear_attention(q[None], k[None], v[None], log_decay=g[None],
+                                               chunk_size=CHUNK)[0]
+  o = jax.vmap(attend)(q, k, v, log_decay)
+  o_ref, _ = linear_attention_reference(q, k, v, log_decay=log_decay)
+  assert_close(o, o_ref, 1e-5)
+
+
 @pytest.mark.parametrize("kind", ["per_head", "scalar", "vector"])
 @pytest.mark.parametrize("host", [False, True], ids=["device", "numpy"])
 def test_closed_over_log_decay_under_jit(kind, host):

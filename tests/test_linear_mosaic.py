@@ -144,3 +144,16 @@ def test_feature_maps_on_mosaic_and_normalize_on_triton():
   lowering = linear_attention_lowering(q, k, v, log_decay=log_decay, q_mod=phi, k_mod=phi,
                                        normalize=True)
   assert lowering.forward == "triton" and "normalize" in lowering.reason
+
+
+@pytest.mark.hopper
+def test_vmap_and_closures_on_mosaic():
+  """Under jax.vmap, with the decays closed over by a jitted function."""
+  q, k, v, log_decay, _ = _case(2, 128, 16, 64, 64, "scalar", jnp.bfloat16)
+  attend = jax.jit(lambda q, k, v: linear_attention(q[None], k[None], v[None],
+                                                    log_decay=log_decay[:1],
+                                                    implementation="mosaic_gpu")[0])
+  o = jax.vmap(attend)(q, k, v)
+  o_ref, _ = linear_attention_reference(q, k, v, log_decay=jnp.broadcast_to(
+      log_decay[:1], log_decay.shape))
+  assert _rel_err(o, o_ref) <= TOL[jnp.bfloat16]
