@@ -30,10 +30,10 @@ keep every factor <= 1).
 
 Scope (`obstacle` says what falls back to Triton): 16-bit inputs and
 outputs (bfloat16 for per-feature gates: float16 overflows at 2^16, and its
-first run here gave NaNs), 64-token chunks, Dk' 64 or 128 and Dv' a multiple of 64, no delta
-rule, and enough programs to fill the GPU (each walks its sequence alone, so
-with few of them the Triton passes' parallel output pass keeps more SMs
-busy).
+first run here gave NaNs), 64-token chunks, Dk' 64 or 128, Dv' a multiple
+of 64, no delta rule, and enough programs to fill the GPU (each walks its
+sequence alone, so with few of them the Triton passes' parallel output pass
+keeps more SMs busy).
 """
 from __future__ import annotations
 
