@@ -95,6 +95,7 @@ from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.delta_rule_backward import chunked_delta_rule
+from pallas_attn.vjp import linear_mosaic_backward
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
 
 FeatureMap = Callable[[jax.Array], jax.Array]
@@ -155,10 +156,9 @@ def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionS
   if implementation not in (None, *lowering_lib.IMPLEMENTATIONS):
     raise ValueError(f"implementation must be None, 'mosaic_gpu' or 'triton'; got "
                      f"{implementation!r}")
-  backward_why = "the chunked backward has no Mosaic GPU kernel yet"
   if implementation == lowering_lib.TRITON:
-    return lowering_lib.Lowering(lowering_lib.TRITON, "implementation='triton' was asked for",
-                                 lowering_lib.TRITON, backward_why)
+    asked = "implementation='triton' was asked for"
+    return lowering_lib.Lowering(lowering_lib.TRITON, asked, lowering_lib.TRITON, asked)
   why = mosaic_forward.obstacle(
       decay_kind=_kernel_decay_kind(spec.decay_kind),
       delta=spec.state_update == spec_lib.UPDATE_DELTA, dtype=spec.dtype,
@@ -171,8 +171,11 @@ def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionS
   if why is not None and implementation == lowering_lib.MOSAIC_GPU:
     raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {why}. Pass "
                      "implementation=None to fall back to Triton.")
+  backward_why = why or linear_mosaic_backward.obstacle(_kernel_decay_kind(spec.decay_kind))
   return lowering_lib.Lowering(lowering_lib.TRITON if why else lowering_lib.MOSAIC_GPU,
-                               why or "", lowering_lib.TRITON, backward_why)
+                               why or "",
+                               lowering_lib.TRITON if backward_why else lowering_lib.MOSAIC_GPU,
+                               backward_why or "")
 
 
 def linear_attention(q, k, v, *, log_decay=None, beta=None,
@@ -209,7 +212,8 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
       per (batch, head, Dv block) carrying the state, Hopper) where it runs
       the call, else Triton (`linear_attention_lowering` says which and
       why); "mosaic_gpu" raises where it cannot; "triton". The backward
-      runs Triton's passes either way.
+      follows on Mosaic GPU where its kernel runs the decay kind (not yet
+      per-feature gates), else Triton's passes.
 
   Returns:
     o [B, S, H, Dv] in q's dtype, or (o, final_state) with
@@ -243,7 +247,8 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
       decay_kind=decay_kind, scale=spec.scale,
       chunk_size=chunk, block_v=block_v, num_warps=config.num_warps,
       num_stages=config.num_stages, interpret=interpret, out_dtype=out_dtype,
-      sm_count=device_config().sm_count, lowering=lowering.forward)
+      sm_count=device_config().sm_count, lowering=lowering.forward,
+      backward_lowering=lowering.backward)
   padded_inputs = (
       _pad_to(q_features, padded + (d_feature,)),
       _pad_to(k_features, padded + (d_feature,)),

@@ -260,6 +260,6 @@ def test_explain_linear_says_which_lowering_runs_and_why(capsys):
   code, out, _ = run(capsys, "explain-linear", "--decay", "feature", *TINY)
   assert code == 0
   assert "decay feature" in out
-  assert "forward on triton (mosaic_gpu not used: " in out
+  assert "on triton (mosaic_gpu not used: " in out
   code, out, _ = run(capsys, "explain-linear", "--decay", "none", "--delta", *TINY)
   assert code == 0 and "delta rule" in out and "backward on triton" in out

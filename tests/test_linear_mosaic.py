@@ -157,3 +157,15 @@ def test_vmap_and_closures_on_mosaic():
   o_ref, _ = linear_attention_reference(q, k, v, log_decay=jnp.broadcast_to(
       log_decay[:1], log_decay.shape))
   assert _rel_err(o, o_ref) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.hopper
+def test_backward_lowering_follows_the_decay_kind():
+  """Per-step decays differentiate on Mosaic GPU; per-feature gates on Triton."""
+  q, k, v, log_decay, _ = _case(4, 256, 16, 128, 128, "scalar", jnp.bfloat16)
+  lowering = linear_attention_lowering(q, k, v, log_decay=log_decay)
+  assert (lowering.forward, lowering.backward) == ("mosaic_gpu", "mosaic_gpu")
+  gates = jnp.broadcast_to(log_decay[..., None], q.shape)
+  lowering = linear_attention_lowering(q, k, v, log_decay=gates)
+  assert (lowering.forward, lowering.backward) == ("mosaic_gpu", "triton")
+  assert "gate per key feature" in lowering.backward_reason

@@ -34,6 +34,7 @@ class Lowering:
   reason: str = ""
   backward: str = TRITON
   backward_reason: str = ""
+  backward_note: str = ""  # said after the passes, where the backward runs on Mosaic GPU
 
   def describe(self) -> str:
     def one(name, lowering, reason):
@@ -44,8 +45,8 @@ class Lowering:
     else:
       text = (one("forward", self.forward, self.reason) + "; "
               + one("backward", self.backward, self.backward_reason))
-    if self.backward == MOSAIC_GPU:
-      text += "; the backward takes triton's passes when a captured array is differentiated"
+    if self.backward == MOSAIC_GPU and self.backward_note:
+      text += "; " + self.backward_note
     return "implementation: " + text
 
 
@@ -172,7 +173,8 @@ def choose(implementation: str | None, analysis: VariantAnalysis, dtype, d_qk: i
   if backward_why is None and isinstance(bwd_config, AttentionConfig):
     backward_why = mosaic_backward_config_error(bwd_config)
   return Lowering(TRITON if why else MOSAIC_GPU, why or "",
-                  TRITON if backward_why else MOSAIC_GPU, backward_why or "")
+                  TRITON if backward_why else MOSAIC_GPU, backward_why or "",
+                  "the backward takes triton's passes when a captured array is differentiated")
 
 
 def padded_head_dim(d: int, *lowerings: str) -> int:

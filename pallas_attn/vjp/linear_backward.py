@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear import mosaic_forward
+from pallas_attn.vjp import linear_mosaic_backward
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, LinearTemplate, causal_from,
     chunk_inputs, chunk_state_spec, chunked_forward, cumulative_log_decay,
@@ -227,8 +228,13 @@ def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
 def _backward(schedule, residuals, cotangents):
   q, k, v, log_decay, log_decay_cum, chunk_states, final_state = residuals
   d_out, d_final = cotangents
-  dq, dk, dv, d_initial = chunked_backward(
-      q, k, v, log_decay_cum, chunk_states, d_out, d_final, schedule)
+  if schedule.backward_lowering == "mosaic_gpu":
+    dq, dk, dv, d_initial = linear_mosaic_backward.backward(
+        q, k, v, log_decay_cum, chunk_states, d_out, d_final,
+        decay_kind=schedule.decay_kind, scale=schedule.scale, stages=schedule.num_stages)
+  else:
+    dq, dk, dv, d_initial = chunked_backward(
+        q, k, v, log_decay_cum, chunk_states, d_out, d_final, schedule)
   d_log_decay = None
   if log_decay is not None:  # no gradient through the prefix pass' clamp
     d_log_decay = jnp.where(

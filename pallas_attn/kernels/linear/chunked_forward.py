@@ -79,8 +79,9 @@ class ChunkedSchedule:
   out_dtype: dtype name of the output o.
   sm_count: the device's multiprocessors (None: unknown), which the state
   pass sizes its pipeline by (`state_pass_stages`).
-  lowering: the forward's ("triton": these passes; "mosaic_gpu": the one
-  kernel of kernels/linear/mosaic_forward.py). The backward is Triton's.
+  lowering, backward_lowering: the forward's and the backward's ("triton":
+  these passes and vjp/linear_backward.py's; "mosaic_gpu": the one kernel of
+  kernels/linear/mosaic_forward.py, vjp/linear_mosaic_backward.py).
   """
   decay_kind: str
   scale: float
@@ -92,6 +93,7 @@ class ChunkedSchedule:
   out_dtype: str
   sm_count: int | None = None
   lowering: str = "triton"
+  backward_lowering: str = "triton"
 
   @property
   def rows_per_program(self) -> int:

@@ -1,0 +1,239 @@
+"""The chunked template's backward in one Mosaic GPU kernel (Hopper).
+
+The Triton backward (linear_backward.py) runs the state pass in reverse,
+storing the state cotangent dS leaving every chunk, then a parallel gradient
+pass reading them back. Here one program per (Dv block, head, batch) walks
+the chunks from the last with dS in float32 wgmma registers, reading the
+states S the forward stored (the state entering each chunk, in the input
+dtype). Per chunk, with g its cumulative base-2 log decays, D_ij = 2^(g_i -
+g_j) for i >= j, w = 2^(g_last - g) and r = 2^g (the algebra of
+linear_backward.py; the transposed tiles have keys along their rows, as the
+attention backward's, so that they are wgmma's register operand):
+
+  P^T  = (K Q^T) * D^T,  dA^T = (V dO^T) * D^T,  dA = (dO V^T) * D
+  dv   = scale * P^T dO + w * (K dS)
+  dk   = scale * dA^T Q + w * (V dS^T)              (this Dv block's part)
+  dq   = scale * (dA K + r * (dO S^T))              (this Dv block's part)
+  dS  <- 2^g_last dS + Q^T (scale * r * dO)
+
+A producer warpgroup streams q, k, v, dO, S (and g) by TMA into a ring; one
+consumer warpgroup issues the products. dq and dk are sums over the Dv
+blocks: each program writes its part, the wrapper adds them (as the Triton
+pass does). Decay kinds "none" and "scalar" (`obstacle`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_attn.kernels import mosaic_backend as mb
+from pallas_attn.kernels.linear.mosaic_forward import BLOCK_V, CHUNK
+
+_PRODUCER_REGISTERS = 40
+_CONSUMER_REGISTERS = 232
+
+
+def obstacle(decay_kind: str) -> str | None:
+  """Why this kernel cannot run the backward of a call the Mosaic forward
+  ran, or None."""
+  if decay_kind == "vector":
+    return "a gate per key feature has no Mosaic GPU backward yet"
+  return None
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, states_ref, *refs, decay: bool, stages: int,
+            num_chunks: int, scale: float):
+  refs = list(refs)
+  g_ref = refs.pop(0) if decay else None
+  (d_final_ref, dq_ref, dk_ref, dv_ref, d_initial_ref, q_smem, k_smem, v_smem, do_smem,
+   s_smem, *refs) = refs
+  g_smem = refs.pop(0) if decay else None
+  ds_smem, scaled_do_smem, dv_stage, f32_stage, ready, free = refs
+  dtype = q_ref.dtype
+  block = lax.axis_index("v")
+  columns = pl.ds(block * BLOCK_V, BLOCK_V)
+  b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+  chunk_of = lambda i: num_chunks - 1 - i  # the walk goes from the last chunk
+
+  @pl.when(wg == 1)
+  def _producer():
+    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    def load(i, carry):
+      c = chunk_of(i)
+      rows = pl.ds(c * CHUNK, CHUNK)
+      copies = [(q_ref.at[b, rows, h], q_smem, ready, free),  # one wait frees the slot
+                (k_ref.at[b, rows, h], k_smem, ready, None),
+                (v_ref.at[b, rows, h, columns], v_smem, ready, None),
+                (do_ref.at[b, rows, h, columns], do_smem, ready, None),
+                (states_ref.at[b, h, c, :, columns], s_smem, ready, None)]
+      if decay:
+        copies.append((g_ref.at[b, h, rows], g_smem, ready, None))
+      mb.refill(i, stages, copies)
+      return carry
+
+    lax.fori_loop(0, num_chunks, load, None)
+
+  @pl.when(wg == 0)
+  def _consumer():
+    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    tile_layout = mb.plgpu.Layout.WGMMA
+    row_layout, column_layout = tile_layout.reduce(1), tile_layout.reduce(0)
+    shape = (CHUNK, CHUNK)
+
+    def publish(d_state):
+      ds_smem[...] = d_state.astype(dtype)
+      mb.plgpu.commit_smem()
+
+    def stage_f32(value, destination):
+      """Writes a float32 [C, Dk] part through shared memory by TMA, once the
+      previous use of the staging buffer has been read out."""
+      mb.plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      f32_stage[...] = value
+      mb.plgpu.commit_smem()
+      mb.plgpu.copy_smem_to_gmem(f32_stage, destination)
+
+    def walk(ds_ref):
+      ds_ref[...] = mb.load_ref(d_final_ref.at[b, h, :, columns], layout=tile_layout,
+                                optimized=False)
+      publish(ds_ref[...])
+
+      def step(i, carry):
+        c, slot = chunk_of(i), lax.rem(i, stages)
+        rows = pl.ds(c * CHUNK, CHUNK)
+        q_t, k_t, v_t, do_t, state_t = (q_smem.at[slot], k_smem.at[slot], v_smem.at[slot],
+                                        do_smem.at[slot], s_smem.at[slot])
+        mb.plgpu.barrier_wait(ready.at[slot])
+        key_rows = mb.tile_indices(0, shape, 0)
+        query_columns = mb.tile_indices(0, shape, 1)
+        causal_t = key_rows <= query_columns  # [key j, query i]: i >= j
+        if decay:
+          g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
+          g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
+          g_last = g_smem[slot, CHUNK - 1]
+          rows_of = lambda x, width: lax.broadcast_in_dim(x, (CHUNK, width), (0,))
+          # [j, i] tiles: 2^(g_i - g_j); [i, j] tiles take its transpose's formula
+          gap_t = rows_of(-g_rows, CHUNK) + lax.broadcast_in_dim(g_columns, shape, (1,))
+          decay_t = jnp.exp2(jnp.where(causal_t, gap_t, 0.0))
+          to_end = jnp.exp2(g_last - g_rows)   # w, along rows
+          from_start = jnp.exp2(g_rows)        # r, along rows
+
+        # P^T and dA^T: keys along the rows, for dv and dk.
+        scores_t, dp_t = mb.products(((k_t, q_t), (v_t, do_t)), shape)
+        if decay:
+          scores_t, dp_t = scores_t * decay_t, dp_t * decay_t
+        p_t = (jnp.where(causal_t, scores_t, 0.0) * scale).astype(dtype)
+        da_t = (jnp.where(causal_t, dp_t, 0.0) * scale).astype(dtype)
+
+        def dv_part(acc_ref):
+          mb.plgpu.wgmma(acc_ref, k_t, ds_smem)
+          if decay:
+            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(to_end, acc_ref.shape, (0,))
+          mb.plgpu.wgmma(acc_ref, p_t, do_t)
+          return acc_ref[...]
+
+        dv = pl.run_scoped(dv_part, mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
+        mb.plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the last chunk's dv left dv_stage
+        dv_stage[...] = dv.astype(dv_stage.dtype)
+        mb.plgpu.commit_smem()
+        mb.plgpu.copy_smem_to_gmem(dv_stage, dv_ref.at[b, rows, h, columns])
+
+        def dk_part(acc_ref):
+          mb.plgpu.wgmma(acc_ref, v_t, ds_smem.T)
+          if decay:
+            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(to_end, acc_ref.shape, (0,))
+          mb.plgpu.wgmma(acc_ref, da_t, q_t)
+          return acc_ref[...]
+
+        width = q_t.shape[-1]
+        dk = pl.run_scoped(dk_part, mb.plgpu.ACC((CHUNK, width), jnp.float32))
+        stage_f32(dk, dk_ref.at[block, b, rows, h])
+
+        # dA, queries along the rows, for dq.
+        (dp,) = mb.products(((do_t, v_t),), shape)
+        causal = key_rows >= query_columns  # [query i, key j]
+        if decay:
+          dp = dp * jnp.exp2(jnp.where(causal, -gap_t, 0.0))
+        da = (jnp.where(causal, dp, 0.0) * scale).astype(dtype)
+
+        def dq_part(acc_ref):
+          mb.plgpu.wgmma(acc_ref, do_t, state_t.T)
+          factor = scale * (from_start if decay else 1.0)
+          acc_ref[...] = acc_ref[...] * (lax.broadcast_in_dim(factor, acc_ref.shape, (0,))
+                                         if decay else factor)
+          mb.plgpu.wgmma(acc_ref, da, k_t)
+          return acc_ref[...]
+
+        dq = pl.run_scoped(dq_part, mb.plgpu.ACC((CHUNK, width), jnp.float32))
+        stage_f32(dq, dq_ref.at[block, b, rows, h])
+
+        # dS for the chunk before: 2^g_last dS + Q^T (scale * r * dO).
+        d_out = mb.load_ref(do_t, layout=tile_layout).astype(jnp.float32)
+        factor = scale * (lax.broadcast_in_dim(from_start, d_out.shape, (0,)) if decay else 1.0)
+        scaled_do_smem[...] = (d_out * factor).astype(dtype)
+        mb.plgpu.commit_smem()
+        if decay:
+          ds_ref[...] = ds_ref[...] * jnp.exp2(g_last)
+        mb.plgpu.wgmma(ds_ref, q_t.T, scaled_do_smem)
+        d_state = ds_ref[...]
+        mb.plgpu.barrier_arrive(free.at[slot])
+        publish(d_state)
+        return carry
+
+      lax.fori_loop(0, num_chunks, step, None)
+      return ds_ref[...]
+
+    d_initial = pl.run_scoped(walk, mb.plgpu.ACC((d_final_ref.shape[2], BLOCK_V), jnp.float32))
+    d_initial_ref.at[b, h, :, columns][...] = d_initial
+    mb.plgpu.wait_smem_to_gmem(0)
+
+
+def backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final, *, decay_kind: str,
+             scale: float, stages: int = 2):
+  """dq, dk (float32), dv and d(initial state): the contract of
+  linear_backward.chunked_backward, for the states the Mosaic forward stored
+  (kernels/linear/mosaic_forward.py); decay kinds "none" and "scalar"."""
+  batch, seq_len, heads, d_feature = q.shape
+  d_v = v.shape[-1]
+  num_chunks, num_blocks_v = seq_len // CHUNK, d_v // BLOCK_V
+  stages = min(stages, num_chunks)
+  decay = decay_kind == "scalar"
+  d_out = d_out.astype(q.dtype)
+  transforms = mb.smem_transforms()
+  smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
+  scratch = [smem((stages, CHUNK, d_feature), q.dtype),
+             smem((stages, CHUNK, d_feature), k.dtype),
+             smem((stages, CHUNK, BLOCK_V), v.dtype),
+             smem((stages, CHUNK, BLOCK_V), q.dtype),
+             smem((stages, d_feature, BLOCK_V), chunk_states.dtype)]
+  decays = ()
+  if decay:
+    decays = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
+    scratch.append(mb.plgpu.SMEM((stages, CHUNK), jnp.float32))
+  scratch += [smem((d_feature, BLOCK_V), q.dtype),          # dS leaving the chunk
+              smem((CHUNK, BLOCK_V), q.dtype),              # scale * r * dO
+              smem((CHUNK, BLOCK_V), v.dtype),              # dv's staging
+              mb.plgpu.SMEM((CHUNK, d_feature), jnp.float32),  # dk's and dq's staging
+              mb.plgpu.Barrier(num_arrivals=5 + len(decays), num_barriers=stages),
+              mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+  part = jax.ShapeDtypeStruct((num_blocks_v, batch, seq_len, heads, d_feature), jnp.float32)
+  kernel = mb.kernel(
+      functools.partial(_kernel, decay=decay, stages=stages, num_chunks=num_chunks,
+                        scale=scale),
+      name="linear_attention_mosaic_bwd",
+      out_type=[part, part, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(d_final.shape, jnp.float32)],
+      scratch_types=scratch,
+      grid=(num_blocks_v, heads, batch),
+      grid_names=("v", "h", "b"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=mb.compiler_params(False),
+  )
+  dq, dk, dv, d_initial = kernel(q, k, v, d_out, chunk_states, *decays,
+                                 d_final.astype(jnp.float32))
+  return dq.sum(0), dk.sum(0), dv, d_initial
