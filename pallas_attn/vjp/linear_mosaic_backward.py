@@ -31,9 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import mosaic_backend as mb
-from pallas_attn.kernels.linear.mosaic_forward import BLOCK_V, CHUNK
+from pallas_attn.kernels.linear.mosaic_forward import (BLOCK_V, CHUNK, carry_through_chunks,
+                                                     stream_chunks)
 
-_PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
 
 
@@ -59,24 +59,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, states_ref, *refs, decay: bool, stages:
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   chunk_of = lambda i: num_chunks - 1 - i  # the walk goes from the last chunk
 
-  @pl.when(wg == 1)
-  def _producer():
-    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  def sources(c):
+    rows = pl.ds(c * CHUNK, CHUNK)
+    chunk = [(q_ref.at[b, rows, h], q_smem), (k_ref.at[b, rows, h], k_smem),
+             (v_ref.at[b, rows, h, columns], v_smem), (do_ref.at[b, rows, h, columns], do_smem),
+             (states_ref.at[b, h, c, :, columns], s_smem)]
+    if decay:
+      chunk.append((g_ref.at[b, h, rows], g_smem))
+    return chunk
 
-    def load(i, carry):
-      c = chunk_of(i)
-      rows = pl.ds(c * CHUNK, CHUNK)
-      copies = [(q_ref.at[b, rows, h], q_smem, ready, free),  # one wait frees the slot
-                (k_ref.at[b, rows, h], k_smem, ready, None),
-                (v_ref.at[b, rows, h, columns], v_smem, ready, None),
-                (do_ref.at[b, rows, h, columns], do_smem, ready, None),
-                (states_ref.at[b, h, c, :, columns], s_smem, ready, None)]
-      if decay:
-        copies.append((g_ref.at[b, h, rows], g_smem, ready, None))
-      mb.refill(i, stages, copies)
-      return carry
-
-    lax.fori_loop(0, num_chunks, load, None)
+  pl.when(wg == 1)(functools.partial(stream_chunks, num_chunks, stages, sources, ready, free,
+                                     reverse=True))
 
   @pl.when(wg == 0)
   def _consumer():
@@ -97,99 +90,90 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, states_ref, *refs, decay: bool, stages:
       mb.plgpu.commit_smem()
       mb.plgpu.copy_smem_to_gmem(f32_stage, destination)
 
-    def walk(ds_ref):
-      ds_ref[...] = mb.load_ref(d_final_ref.at[b, h, :, columns], layout=tile_layout,
-                                optimized=False)
-      publish(ds_ref[...])
+    def step(i, ds_ref):
+      c, slot = chunk_of(i), lax.rem(i, stages)
+      rows = pl.ds(c * CHUNK, CHUNK)
+      q_t, k_t, v_t, do_t, state_t = (q_smem.at[slot], k_smem.at[slot], v_smem.at[slot],
+                                      do_smem.at[slot], s_smem.at[slot])
+      mb.plgpu.barrier_wait(ready.at[slot])
+      key_rows = mb.tile_indices(0, shape, 0)
+      query_columns = mb.tile_indices(0, shape, 1)
+      causal_t = key_rows <= query_columns  # [key j, query i]: i >= j
+      if decay:
+        g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
+        g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
+        g_last = g_smem[slot, CHUNK - 1]
+        rows_of = lambda x, width: lax.broadcast_in_dim(x, (CHUNK, width), (0,))
+        # [j, i] tiles: 2^(g_i - g_j); [i, j] tiles take its transpose's formula
+        gap_t = rows_of(-g_rows, CHUNK) + lax.broadcast_in_dim(g_columns, shape, (1,))
+        decay_t = jnp.exp2(jnp.where(causal_t, gap_t, 0.0))
+        to_end = jnp.exp2(g_last - g_rows)   # w, along rows
+        from_start = jnp.exp2(g_rows)        # r, along rows
 
-      def step(i, carry):
-        c, slot = chunk_of(i), lax.rem(i, stages)
-        rows = pl.ds(c * CHUNK, CHUNK)
-        q_t, k_t, v_t, do_t, state_t = (q_smem.at[slot], k_smem.at[slot], v_smem.at[slot],
-                                        do_smem.at[slot], s_smem.at[slot])
-        mb.plgpu.barrier_wait(ready.at[slot])
-        key_rows = mb.tile_indices(0, shape, 0)
-        query_columns = mb.tile_indices(0, shape, 1)
-        causal_t = key_rows <= query_columns  # [key j, query i]: i >= j
+      # P^T and dA^T: keys along the rows, for dv and dk.
+      scores_t, dp_t = mb.products(((k_t, q_t), (v_t, do_t)), shape)
+      if decay:
+        scores_t, dp_t = scores_t * decay_t, dp_t * decay_t
+      p_t = (jnp.where(causal_t, scores_t, 0.0) * scale).astype(dtype)
+      da_t = (jnp.where(causal_t, dp_t, 0.0) * scale).astype(dtype)
+
+      def dv_part(acc_ref):
+        mb.plgpu.wgmma(acc_ref, k_t, ds_smem)
         if decay:
-          g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
-          g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
-          g_last = g_smem[slot, CHUNK - 1]
-          rows_of = lambda x, width: lax.broadcast_in_dim(x, (CHUNK, width), (0,))
-          # [j, i] tiles: 2^(g_i - g_j); [i, j] tiles take its transpose's formula
-          gap_t = rows_of(-g_rows, CHUNK) + lax.broadcast_in_dim(g_columns, shape, (1,))
-          decay_t = jnp.exp2(jnp.where(causal_t, gap_t, 0.0))
-          to_end = jnp.exp2(g_last - g_rows)   # w, along rows
-          from_start = jnp.exp2(g_rows)        # r, along rows
+          acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(to_end, acc_ref.shape, (0,))
+        mb.plgpu.wgmma(acc_ref, p_t, do_t)
+        return acc_ref[...]
 
-        # P^T and dA^T: keys along the rows, for dv and dk.
-        scores_t, dp_t = mb.products(((k_t, q_t), (v_t, do_t)), shape)
+      dv = pl.run_scoped(dv_part, mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
+      mb.plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the last chunk's dv left dv_stage
+      dv_stage[...] = dv.astype(dv_stage.dtype)
+      mb.plgpu.commit_smem()
+      mb.plgpu.copy_smem_to_gmem(dv_stage, dv_ref.at[b, rows, h, columns])
+
+      def dk_part(acc_ref):
+        mb.plgpu.wgmma(acc_ref, v_t, ds_smem.T)
         if decay:
-          scores_t, dp_t = scores_t * decay_t, dp_t * decay_t
-        p_t = (jnp.where(causal_t, scores_t, 0.0) * scale).astype(dtype)
-        da_t = (jnp.where(causal_t, dp_t, 0.0) * scale).astype(dtype)
+          acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(to_end, acc_ref.shape, (0,))
+        mb.plgpu.wgmma(acc_ref, da_t, q_t)
+        return acc_ref[...]
 
-        def dv_part(acc_ref):
-          mb.plgpu.wgmma(acc_ref, k_t, ds_smem)
-          if decay:
-            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(to_end, acc_ref.shape, (0,))
-          mb.plgpu.wgmma(acc_ref, p_t, do_t)
-          return acc_ref[...]
+      width = q_t.shape[-1]
+      dk = pl.run_scoped(dk_part, mb.plgpu.ACC((CHUNK, width), jnp.float32))
+      stage_f32(dk, dk_ref.at[block, b, rows, h])
 
-        dv = pl.run_scoped(dv_part, mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
-        mb.plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # the last chunk's dv left dv_stage
-        dv_stage[...] = dv.astype(dv_stage.dtype)
-        mb.plgpu.commit_smem()
-        mb.plgpu.copy_smem_to_gmem(dv_stage, dv_ref.at[b, rows, h, columns])
+      # dA, queries along the rows, for dq.
+      (dp,) = mb.products(((do_t, v_t),), shape)
+      causal = key_rows >= query_columns  # [query i, key j]
+      if decay:
+        dp = dp * jnp.exp2(jnp.where(causal, -gap_t, 0.0))
+      da = (jnp.where(causal, dp, 0.0) * scale).astype(dtype)
 
-        def dk_part(acc_ref):
-          mb.plgpu.wgmma(acc_ref, v_t, ds_smem.T)
-          if decay:
-            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(to_end, acc_ref.shape, (0,))
-          mb.plgpu.wgmma(acc_ref, da_t, q_t)
-          return acc_ref[...]
+      def dq_part(acc_ref):
+        mb.plgpu.wgmma(acc_ref, do_t, state_t.T)
+        factor = scale * (from_start if decay else 1.0)
+        acc_ref[...] = acc_ref[...] * (lax.broadcast_in_dim(factor, acc_ref.shape, (0,))
+                                       if decay else factor)
+        mb.plgpu.wgmma(acc_ref, da, k_t)
+        return acc_ref[...]
 
-        width = q_t.shape[-1]
-        dk = pl.run_scoped(dk_part, mb.plgpu.ACC((CHUNK, width), jnp.float32))
-        stage_f32(dk, dk_ref.at[block, b, rows, h])
+      dq = pl.run_scoped(dq_part, mb.plgpu.ACC((CHUNK, width), jnp.float32))
+      stage_f32(dq, dq_ref.at[block, b, rows, h])
 
-        # dA, queries along the rows, for dq.
-        (dp,) = mb.products(((do_t, v_t),), shape)
-        causal = key_rows >= query_columns  # [query i, key j]
-        if decay:
-          dp = dp * jnp.exp2(jnp.where(causal, -gap_t, 0.0))
-        da = (jnp.where(causal, dp, 0.0) * scale).astype(dtype)
+      # dS for the chunk before: 2^g_last dS + Q^T (scale * r * dO).
+      d_out = mb.load_ref(do_t, layout=tile_layout).astype(jnp.float32)
+      factor = scale * (lax.broadcast_in_dim(from_start, d_out.shape, (0,)) if decay else 1.0)
+      scaled_do_smem[...] = (d_out * factor).astype(dtype)
+      mb.plgpu.commit_smem()
+      if decay:
+        ds_ref[...] = ds_ref[...] * jnp.exp2(g_last)
+      mb.plgpu.wgmma(ds_ref, q_t.T, scaled_do_smem)
+      d_state = ds_ref[...]
+      mb.plgpu.barrier_arrive(free.at[slot])
+      publish(d_state)
+      return None
 
-        def dq_part(acc_ref):
-          mb.plgpu.wgmma(acc_ref, do_t, state_t.T)
-          factor = scale * (from_start if decay else 1.0)
-          acc_ref[...] = acc_ref[...] * (lax.broadcast_in_dim(factor, acc_ref.shape, (0,))
-                                         if decay else factor)
-          mb.plgpu.wgmma(acc_ref, da, k_t)
-          return acc_ref[...]
-
-        dq = pl.run_scoped(dq_part, mb.plgpu.ACC((CHUNK, width), jnp.float32))
-        stage_f32(dq, dq_ref.at[block, b, rows, h])
-
-        # dS for the chunk before: 2^g_last dS + Q^T (scale * r * dO).
-        d_out = mb.load_ref(do_t, layout=tile_layout).astype(jnp.float32)
-        factor = scale * (lax.broadcast_in_dim(from_start, d_out.shape, (0,)) if decay else 1.0)
-        scaled_do_smem[...] = (d_out * factor).astype(dtype)
-        mb.plgpu.commit_smem()
-        if decay:
-          ds_ref[...] = ds_ref[...] * jnp.exp2(g_last)
-        mb.plgpu.wgmma(ds_ref, q_t.T, scaled_do_smem)
-        d_state = ds_ref[...]
-        mb.plgpu.barrier_arrive(free.at[slot])
-        publish(d_state)
-        return carry
-
-      lax.fori_loop(0, num_chunks, step, None)
-      return ds_ref[...]
-
-    d_initial = pl.run_scoped(walk, mb.plgpu.ACC((d_final_ref.shape[2], BLOCK_V), jnp.float32))
-    d_initial_ref.at[b, h, :, columns][...] = d_initial
-    mb.plgpu.wait_smem_to_gmem(0)
+    carry_through_chunks(d_final_ref, d_initial_ref, (b, h, slice(None), columns), num_chunks,
+                         lambda ds_ref: publish(ds_ref[...]), step)
 
 
 def backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final, *, decay_kind: str,

@@ -104,6 +104,39 @@ def too_few_programs(num_programs: int, sm_count: int | None) -> str | None:
   return None
 
 
+def stream_chunks(num_chunks: int, stages: int, sources, ready, free, *,
+                  reverse: bool = False):
+  """The producer warpgroup's walk: per chunk c (from the last with `reverse`), TMA copies
+  of `sources(c)`, [(device memory ref, shared memory ring)], into slot
+  `step % stages` of each ring, all arriving on `ready`; the first waits
+  for the consumer to `free` the slot (mosaic_backend.refill)."""
+  mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+  def load(step, carry):
+    c = num_chunks - 1 - step if reverse else step
+    mb.refill(step, stages, [(source, ring, ready, free if n == 0 else None)
+                             for n, (source, ring) in enumerate(sources(c))])
+    return carry
+
+  lax.fori_loop(0, num_chunks, load, None)
+
+
+def carry_through_chunks(start_ref, end_ref, at, num_chunks: int, first, step):
+  """A consumer's walk: a [Dk, BLOCK_V] float32 state (or cotangent) read
+  from `start_ref.at[at]` into wgmma registers (an accumulator ref), handed
+  to `first(ref)`, then to `step(i, ref)` for each chunk, and written to
+  `end_ref.at[at]` once every store by TMA has left."""
+  def walk(ref):
+    ref[...] = mb.load_ref(start_ref.at[at], layout=mb.plgpu.Layout.WGMMA, optimized=False)
+    first(ref)
+    lax.fori_loop(0, num_chunks, lambda i, carry: step(i, ref), None)
+    return ref[...]
+
+  end_ref.at[at][...] = pl.run_scoped(
+      walk, mb.plgpu.ACC((start_ref.shape[2], BLOCK_V), jnp.float32))
+  mb.plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks: int,
             scale: float, store_states: bool):
   decay, vector = decay_kind != "none", decay_kind == "vector"
@@ -122,22 +155,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
   columns = pl.ds(lax.axis_index("v") * BLOCK_V, BLOCK_V)
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
 
-  @pl.when(wg == 1)
-  def _producer():
-    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  def sources(c):
+    rows = pl.ds(c * CHUNK, CHUNK)
+    chunk = [(q_ref.at[b, rows, h], q_smem), (k_ref.at[b, rows, h], k_smem),
+             (v_ref.at[b, rows, h, columns], v_smem)]
+    if decay:
+      chunk.append((g_ref.at[b, rows, h] if vector else g_ref.at[b, h, rows], g_smem))
+    return chunk
 
-    def load(c, carry):
-      rows = pl.ds(c * CHUNK, CHUNK)
-      copies = [(q_ref.at[b, rows, h], q_smem, ready, free),  # one wait frees the slot
-                (k_ref.at[b, rows, h], k_smem, ready, None),
-                (v_ref.at[b, rows, h, columns], v_smem, ready, None)]
-      if decay:
-        g_rows = g_ref.at[b, rows, h] if vector else g_ref.at[b, h, rows]
-        copies.append((g_rows, g_smem, ready, None))
-      mb.refill(c, stages, copies)
-      return carry
-
-    lax.fori_loop(0, num_chunks, load, None)
+  pl.when(wg == 1)(functools.partial(stream_chunks, num_chunks, stages, sources, ready, free))
 
   @pl.when(wg == 0)
   def _consumer():
@@ -158,94 +184,85 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
       if store_states:
         mb.plgpu.copy_smem_to_gmem(state_smem, states_ref.at[b, h, c, :, columns])
 
-    def walk(state_ref):
-      state_ref[...] = mb.load_ref(initial_ref.at[b, h, :, columns], layout=tile_layout,
-                                   optimized=False)
-      publish(0, state_ref[...].astype(dtype))
+    def step(c, state_ref):
+      slot = lax.rem(c, stages)
+      rows = pl.ds(c * CHUNK, CHUNK)
+      q_tile, k_tile, v_tile = q_smem.at[slot], k_smem.at[slot], v_smem.at[slot]
+      mb.plgpu.barrier_wait(ready.at[slot])
 
-      def step(c, carry):
-        slot = lax.rem(c, stages)
-        rows = pl.ds(c * CHUNK, CHUNK)
-        q_tile, k_tile, v_tile = q_smem.at[slot], k_smem.at[slot], v_smem.at[slot]
-        mb.plgpu.barrier_wait(ready.at[slot])
-
-        def anchor_operands():
-          """Vector kind: Q 2^(g - g_m) and K 2^(g_m - g) for the scores; Q 2^g
-          and K 2^(g_last - g) over the slot's q and k (FEATURE_SLICE columns
-          at a time: a [C, Dk] float32 tile is 64 registers a thread)."""
-          anchored_q, anchored_k = scaled_smem
-          for first in range(0, q_tile.shape[-1], FEATURE_SLICE):
-            cols = pl.ds(first, FEATURE_SLICE)
-            shape = (CHUNK, FEATURE_SLICE)
-            g = mb.load_ref(g_smem.at[slot, :, cols], layout=tile_layout, optimized=False)
-            g_at = lambda row: lax.broadcast_in_dim(
-                mb.load_ref(g_smem.at[slot, row, cols], layout=column_layout,
-                            optimized=False), shape, (1,))
-            g_anchor, g_last = g_at(ANCHOR), g_at(CHUNK - 1)
-            q = mb.load_ref(q_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
-            k = mb.load_ref(k_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
-            anchored_q.at[:, cols][...] = (q * jnp.exp2(g - g_anchor)).astype(dtype)
-            anchored_k.at[:, cols][...] = (k * jnp.exp2(g_anchor - g)).astype(dtype)
-            q_tile.at[:, cols][...] = (q * jnp.exp2(g)).astype(dtype)
-            k_tile.at[:, cols][...] = (k * jnp.exp2(g_last - g)).astype(dtype)
-          mb.plgpu.commit_smem()
-          return anchored_q, anchored_k
-
-        def chunk(s_ref, o_ref):
-          score_q, score_k = anchor_operands() if vector else (q_tile, k_tile)
-          mb.plgpu.wgmma(s_ref, score_q, score_k.T)
-          mb.plgpu.wgmma(o_ref, q_tile, state_smem)
-          values = v_tile
-          if decay and not vector:  # 2^(g_last - g) V for the state, while Q K^T and Q S run
-            g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
-            g_last = g_smem[slot, CHUNK - 1]
-            to_end = lax.broadcast_in_dim(jnp.exp2(g_last - g_rows), (CHUNK, BLOCK_V), (0,))
-            v = mb.load_ref(v_tile, layout=tile_layout).astype(jnp.float32)
-            scaled_smem[0][...] = (v * to_end).astype(dtype)
-            mb.plgpu.commit_smem()
-            values = scaled_smem[0]
-          s = s_ref[...]
-          shape = (CHUNK, CHUNK)
-          causal = mb.tile_indices(0, shape, 0) >= mb.tile_indices(0, shape, 1)
-          if vector:  # the state decays per Dk row
-            g_last = mb.load_ref(g_smem.at[slot, CHUNK - 1], layout=row_layout, optimized=False)
-            state_ref[...] = state_ref[...] * lax.broadcast_in_dim(
-                jnp.exp2(g_last), state_ref.shape, (0,))
-          elif decay:
-            g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
-            gap = (lax.broadcast_in_dim(g_rows, shape, (0,))
-                   - lax.broadcast_in_dim(g_columns, shape, (1,)))
-            s = s * jnp.exp2(jnp.where(causal, gap, 0.0))
-            o_ref[...] = o_ref[...] * lax.broadcast_in_dim(jnp.exp2(g_rows), (CHUNK, BLOCK_V),
-                                                           (0,))
-            state_ref[...] = state_ref[...] * jnp.exp2(g_last)
-          weights = jnp.where(causal, s, 0.0).astype(dtype)
-          # P V, then the state's update behind it; the output waits for the first.
-          mb.plgpu.wgmma(o_ref, weights, v_tile)
-          mb.plgpu.wgmma(state_ref, k_tile.T, values)
-          return mb.plgpu.wgmma_accumulator_load(o_ref, wait_n=1)
-
-        out = pl.run_scoped(chunk, mb.plgpu.ACC((CHUNK, CHUNK), jnp.float32),
-                            mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
-        mb.plgpu.wait_smem_to_gmem(later_stores, wait_read_only=True)  # o_smem is free
-        o_smem[...] = (out * scale).astype(o_smem.dtype)
+      def anchor_operands():
+        """Vector kind: Q 2^(g - g_m) and K 2^(g_m - g) for the scores; Q 2^g
+        and K 2^(g_last - g) over the slot's q and k (FEATURE_SLICE columns
+        at a time: a [C, Dk] float32 tile is 64 registers a thread)."""
+        anchored_q, anchored_k = scaled_smem
+        for first in range(0, q_tile.shape[-1], FEATURE_SLICE):
+          cols = pl.ds(first, FEATURE_SLICE)
+          shape = (CHUNK, FEATURE_SLICE)
+          g = mb.load_ref(g_smem.at[slot, :, cols], layout=tile_layout, optimized=False)
+          g_at = lambda row: lax.broadcast_in_dim(
+              mb.load_ref(g_smem.at[slot, row, cols], layout=column_layout,
+                          optimized=False), shape, (1,))
+          g_anchor, g_last = g_at(ANCHOR), g_at(CHUNK - 1)
+          q = mb.load_ref(q_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
+          k = mb.load_ref(k_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
+          anchored_q.at[:, cols][...] = (q * jnp.exp2(g - g_anchor)).astype(dtype)
+          anchored_k.at[:, cols][...] = (k * jnp.exp2(g_anchor - g)).astype(dtype)
+          q_tile.at[:, cols][...] = (q * jnp.exp2(g)).astype(dtype)
+          k_tile.at[:, cols][...] = (k * jnp.exp2(g_last - g)).astype(dtype)
         mb.plgpu.commit_smem()
-        mb.plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h, columns])
-        state = state_ref[...].astype(dtype)
-        mb.plgpu.barrier_arrive(free.at[slot])
+        return anchored_q, anchored_k
 
-        @pl.when(c + 1 < num_chunks)
-        def _():
-          publish(c + 1, state)
+      def chunk(s_ref, o_ref):
+        score_q, score_k = anchor_operands() if vector else (q_tile, k_tile)
+        mb.plgpu.wgmma(s_ref, score_q, score_k.T)
+        mb.plgpu.wgmma(o_ref, q_tile, state_smem)
+        values = v_tile
+        if decay and not vector:  # 2^(g_last - g) V for the state, while Q K^T and Q S run
+          g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
+          g_last = g_smem[slot, CHUNK - 1]
+          to_end = lax.broadcast_in_dim(jnp.exp2(g_last - g_rows), (CHUNK, BLOCK_V), (0,))
+          v = mb.load_ref(v_tile, layout=tile_layout).astype(jnp.float32)
+          scaled_smem[0][...] = (v * to_end).astype(dtype)
+          mb.plgpu.commit_smem()
+          values = scaled_smem[0]
+        s = s_ref[...]
+        shape = (CHUNK, CHUNK)
+        causal = mb.tile_indices(0, shape, 0) >= mb.tile_indices(0, shape, 1)
+        if vector:  # the state decays per Dk row
+          g_last = mb.load_ref(g_smem.at[slot, CHUNK - 1], layout=row_layout, optimized=False)
+          state_ref[...] = state_ref[...] * lax.broadcast_in_dim(
+              jnp.exp2(g_last), state_ref.shape, (0,))
+        elif decay:
+          g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
+          gap = (lax.broadcast_in_dim(g_rows, shape, (0,))
+                 - lax.broadcast_in_dim(g_columns, shape, (1,)))
+          s = s * jnp.exp2(jnp.where(causal, gap, 0.0))
+          o_ref[...] = o_ref[...] * lax.broadcast_in_dim(jnp.exp2(g_rows), (CHUNK, BLOCK_V),
+                                                         (0,))
+          state_ref[...] = state_ref[...] * jnp.exp2(g_last)
+        weights = jnp.where(causal, s, 0.0).astype(dtype)
+        # P V, then the state's update behind it; the output waits for the first.
+        mb.plgpu.wgmma(o_ref, weights, v_tile)
+        mb.plgpu.wgmma(state_ref, k_tile.T, values)
+        return mb.plgpu.wgmma_accumulator_load(o_ref, wait_n=1)
 
-        return carry
+      out = pl.run_scoped(chunk, mb.plgpu.ACC((CHUNK, CHUNK), jnp.float32),
+                          mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
+      mb.plgpu.wait_smem_to_gmem(later_stores, wait_read_only=True)  # o_smem is free
+      o_smem[...] = (out * scale).astype(o_smem.dtype)
+      mb.plgpu.commit_smem()
+      mb.plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h, columns])
+      state = state_ref[...].astype(dtype)
+      mb.plgpu.barrier_arrive(free.at[slot])
 
-      lax.fori_loop(0, num_chunks, step, None)
-      return state_ref[...]
+      @pl.when(c + 1 < num_chunks)
+      def _():
+        publish(c + 1, state)
 
-    final = pl.run_scoped(walk, mb.plgpu.ACC((initial_ref.shape[2], BLOCK_V), jnp.float32))
-    final_ref.at[b, h, :, columns][...] = final
-    mb.plgpu.wait_smem_to_gmem(0)
+      return None
+
+    carry_through_chunks(initial_ref, final_ref, (b, h, slice(None), columns), num_chunks,
+                         lambda state_ref: publish(0, state_ref[...].astype(dtype)), step)
 
 
 def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: float,
