@@ -95,7 +95,6 @@ from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.delta_rule_backward import chunked_delta_rule
-from pallas_attn.vjp import linear_mosaic_backward
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
 
 FeatureMap = Callable[[jax.Array], jax.Array]
@@ -171,11 +170,8 @@ def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionS
   if why is not None and implementation == lowering_lib.MOSAIC_GPU:
     raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {why}. Pass "
                      "implementation=None to fall back to Triton.")
-  backward_why = why or linear_mosaic_backward.obstacle(_kernel_decay_kind(spec.decay_kind))
-  return lowering_lib.Lowering(lowering_lib.TRITON if why else lowering_lib.MOSAIC_GPU,
-                               why or "",
-                               lowering_lib.TRITON if backward_why else lowering_lib.MOSAIC_GPU,
-                               backward_why or "")
+  lowering = lowering_lib.TRITON if why else lowering_lib.MOSAIC_GPU
+  return lowering_lib.Lowering(lowering, why or "", lowering, why or "")
 
 
 def linear_attention(q, k, v, *, log_decay=None, beta=None,
@@ -212,8 +208,7 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
       per (batch, head, Dv block) carrying the state, Hopper) where it runs
       the call, else Triton (`linear_attention_lowering` says which and
       why); "mosaic_gpu" raises where it cannot; "triton". The backward
-      follows on Mosaic GPU where its kernel runs the decay kind (not yet
-      per-feature gates), else Triton's passes.
+      runs on the forward's lowering.
 
   Returns:
     o [B, S, H, Dv] in q's dtype, or (o, final_state) with

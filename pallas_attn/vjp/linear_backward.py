@@ -228,13 +228,18 @@ def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
 def _backward(schedule, residuals, cotangents):
   q, k, v, log_decay, log_decay_cum, chunk_states, final_state = residuals
   d_out, d_final = cotangents
-  if schedule.backward_lowering == "mosaic_gpu":
-    dq, dk, dv, d_initial = linear_mosaic_backward.backward(
-        q, k, v, log_decay_cum, chunk_states, d_out, d_final,
-        decay_kind=schedule.decay_kind, scale=schedule.scale, stages=schedule.num_stages)
+  triton = lambda: chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
+                                    schedule)
+  mosaic = lambda: linear_mosaic_backward.backward(
+      q, k, v, log_decay_cum, chunk_states, d_out, d_final, decay_kind=schedule.decay_kind,
+      scale=schedule.scale, stages=schedule.num_stages)
+  if schedule.backward_lowering != "mosaic_gpu":
+    dq, dk, dv, d_initial = triton()
+  elif schedule.decay_kind == "vector":  # as the forward: the anchored factors' range
+    dq, dk, dv, d_initial = lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic,
+                                     triton)
   else:
-    dq, dk, dv, d_initial = chunked_backward(
-        q, k, v, log_decay_cum, chunk_states, d_out, d_final, schedule)
+    dq, dk, dv, d_initial = mosaic()
   d_log_decay = None
   if log_decay is not None:  # no gradient through the prefix pass' clamp
     d_log_decay = jnp.where(
