@@ -158,10 +158,11 @@ def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionS
   if implementation == lowering_lib.TRITON:
     asked = "implementation='triton' was asked for"
     return lowering_lib.Lowering(lowering_lib.TRITON, asked, lowering_lib.TRITON, asked)
-  why = mosaic_forward.obstacle(
-      decay_kind=_kernel_decay_kind(spec.decay_kind),
-      delta=spec.state_update == spec_lib.UPDATE_DELTA, dtype=spec.dtype,
-      out_dtype=_out_dtype(spec), d_feature=d_feature, d_values=d_values, chunk_size=chunk)
+  delta = spec.state_update == spec_lib.UPDATE_DELTA
+  why = mosaic_forward.obstacle(  # the delta rule's Mosaic forward takes its own chunks
+      decay_kind=_kernel_decay_kind(spec.decay_kind), delta=delta, dtype=spec.dtype,
+      out_dtype=_out_dtype(spec), d_feature=d_feature, d_values=d_values,
+      chunk_size=mosaic_forward.CHUNK if delta else chunk)
   if why is None and interpret:
     why = "interpret mode (the Mosaic GPU kernel runs compiled only)"
   if why is None and implementation is None:
@@ -171,6 +172,11 @@ def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionS
     raise ValueError(f"implementation='mosaic_gpu' cannot run this call: {why}. Pass "
                      "implementation=None to fall back to Triton.")
   lowering = lowering_lib.TRITON if why else lowering_lib.MOSAIC_GPU
+  if delta and not why:
+    return lowering_lib.Lowering(
+        lowering, "", lowering_lib.TRITON,
+        "the delta rule has no Mosaic GPU backward yet; a differentiated call runs Triton's "
+        "forward too, in the chunks its backward shares")
   return lowering_lib.Lowering(lowering, why or "", lowering, why or "")
 
 

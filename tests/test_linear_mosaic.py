@@ -9,7 +9,8 @@ import pytest
 
 from conftest import random
 from pallas_attn.kernels.linear import mosaic_forward
-from pallas_attn.kernels.linear.reference import linear_attention_reference
+from pallas_attn.kernels.linear.reference import (delta_rule_reference,
+                                                  linear_attention_reference)
 from pallas_attn.linear import linear_attention, linear_attention_lowering
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
@@ -110,8 +111,9 @@ def test_choice_and_fallbacks():
                 d_values=128, chunk_size=64)
   if mosaic_forward.obstacle(decay_kind="scalar", **common) is None:  # a Hopper GPU
     assert mosaic_forward.obstacle(decay_kind="vector", **common) is None
+    assert mosaic_forward.obstacle(decay_kind="scalar", **{**common, "delta": True}) is None
     assert "delta rule" in mosaic_forward.obstacle(
-        decay_kind="scalar", **{**common, "delta": True})
+        decay_kind="vector", **{**common, "delta": True})
     assert "bfloat16's exponent range" in mosaic_forward.obstacle(
         decay_kind="vector", **{**common, "dtype": jnp.float16})
     assert "float32" in mosaic_forward.obstacle(
@@ -165,3 +167,23 @@ def test_backward_runs_on_the_forwards_lowering():
   for decay in (log_decay, jnp.broadcast_to(log_decay[..., None], q.shape)):
     lowering = linear_attention_lowering(q, k, v, log_decay=decay)
     assert (lowering.forward, lowering.backward) == ("mosaic_gpu", "mosaic_gpu")
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ["none", "scalar"])
+def test_delta_rule_forward_on_mosaic(kind):
+  """DeltaNet and Gated DeltaNet: the UT transform, then the Mosaic kernel
+  computing U = U~ - W S per chunk; L2-normed keys, ragged S, a state in and
+  out. A differentiated call keeps Triton's chunks (checked by the delta-rule
+  suite)."""
+  q, k, v, log_decay, state = _case(2, 200, 16, 128, 128, kind, jnp.bfloat16, seed=3)
+  l2 = lambda x: x / jnp.linalg.norm(x.astype(jnp.float32), axis=-1, keepdims=True)
+  beta = jax.nn.sigmoid(random(q.shape[:3], jnp.float32, 9))
+  args = dict(beta=beta, log_decay=log_decay, q_mod=l2, k_mod=l2, initial_state=state)
+  o, final = linear_attention(q, k, v, return_final_state=True, implementation="mosaic_gpu",
+                              **args)
+  o_ref, final_ref = delta_rule_reference(q, k, v, **args)
+  assert _rel_err(o, o_ref) <= TOL[jnp.bfloat16]
+  assert _rel_err(final, final_ref) <= TOL[jnp.bfloat16]
+  lowering = linear_attention_lowering(q, k, v, beta=beta, log_decay=log_decay)
+  assert (lowering.forward, lowering.backward) == ("mosaic_gpu", "triton")

@@ -35,8 +35,8 @@ from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, ChunkedSchedule, cumulative_log_decay, dense_decay,
     scale_rows, state_pass)
 from pallas_attn.kernels.linear.delta_rule import (
-    chunk_spec, delta_rule_forward, per_feature_pairs, strictly_lower,
-    wy_transform)
+    chunk_spec, delta_rule_forward, delta_rule_forward_mosaic, per_feature_pairs,
+    strictly_lower, wy_transform)
 
 # The gradient kernel holds a chunk's state and its cotangent ([Dk, Dv]
 # each) beside a dozen [C, D] float32 tiles: 8 warps spread them.
@@ -50,6 +50,8 @@ def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
   array differentiable. beta: [B, S, H] (zero on padded steps); log_decay:
   None, [B, S, H] or [B, S, H, Dk] step log decays. Returns (o, final
   state float32)."""
+  if schedule.lowering == "mosaic_gpu":
+    return delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state, schedule)
   o, final_state, _, _ = delta_rule_forward(
       q, k, v, beta, log_decay, initial_state, schedule)
   return o, final_state

@@ -19,9 +19,14 @@ and the chunk is then ordinary decayed linear attention with values U. So:
    (`state_pass(..., pseudo_keys=W)`): per chunk U = U~ - W S, stored, and
    S <- 2^g_last S + (K 2^(g_last - g))^T U.
 3. The template's output pass, unchanged, with values U.
+
+On Hopper an undifferentiated call runs 2. and 3. as one Mosaic GPU kernel
+(`delta_rule_forward_mosaic`): it computes U = U~ - W S per chunk from the
+state it carries in registers.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
+from pallas_attn.kernels.linear import mosaic_forward
 from pallas_attn.kernels.linear.chunked_forward import (
     SPLIT_SPAN, SUB_BLOCK, ChunkedSchedule, LinearForwardTemplate,
     cumulative_log_decay, dense_decay, diagonal_block, masked_rescale,
@@ -177,6 +183,29 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
       reverse=False, pseudo_keys=pseudo_keys)
   o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
   return o, final_state, chunk_states, pseudo_keys
+
+
+def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
+                              schedule: ChunkedSchedule):
+  """(o, final state) of the delta rule with the state and output passes as
+  one Mosaic GPU kernel (kernels/linear/mosaic_forward.py) after the UT
+  transform, in that kernel's 64-token chunks: the sequence is padded to
+  them with zero beta and no decay (steps that change nothing). No
+  residuals: a differentiated call runs `delta_rule_forward`, whose chunks
+  the backward shares."""
+  chunk, seq_len = mosaic_forward.CHUNK, q.shape[1]
+  padding = -seq_len % chunk
+  pad = lambda x: None if x is None else jnp.pad(
+      x, [(0, 0), (0, padding)] + [(0, 0)] * (x.ndim - 2))
+  q, k, v, beta, log_decay = map(pad, (q, k, v, beta, log_decay))
+  schedule = dataclasses.replace(schedule, chunk_size=chunk)
+  log_decay_cum = cumulative_log_decay(log_decay, schedule)
+  pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum, schedule)
+  o, final_state, _ = mosaic_forward.forward(
+      q, k, pseudo_values, log_decay_cum, initial_state, decay_kind=schedule.decay_kind,
+      scale=schedule.scale, store_states=False, stages=schedule.num_stages,
+      pseudo_keys=pseudo_keys)
+  return o[:, :seq_len], final_state
 
 
 class DeltaRuleTemplate(LinearForwardTemplate):

@@ -63,8 +63,9 @@ def obstacle(*, decay_kind: str, delta: bool, dtype, out_dtype, d_feature: int, 
   reason = mb.unavailable()
   if reason:
     return reason
-  if delta:
-    return "the delta rule has no Mosaic GPU kernel yet"
+  if delta and decay_kind == "vector":
+    return ("the delta rule with a gate per key feature (KDA): its rings and W's would "
+            "outgrow shared memory")
   if jnp.dtype(dtype).itemsize != 2:
     return f"{jnp.dtype(dtype).name} inputs (the kernel takes 16-bit ones)"
   if decay_kind == "vector" and jnp.dtype(dtype) != jnp.bfloat16:
@@ -138,15 +139,17 @@ def carry_through_chunks(start_ref, end_ref, at, num_chunks: int, first, step):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks: int,
-            scale: float, store_states: bool):
+            scale: float, store_states: bool, delta: bool):
   decay, vector = decay_kind != "none", decay_kind == "vector"
   refs = list(refs)
+  w_ref = refs.pop(0) if delta else None  # the delta rule's W; v_ref holds its U~
   g_ref = refs.pop(0) if decay else None
   initial_ref, out_ref, final_ref = refs[:3]
   del refs[:3]
   states_ref = refs.pop(0) if store_states else None
   q_smem, k_smem, v_smem = refs[:3]
   del refs[:3]
+  w_smem = refs.pop(0) if delta else None
   g_smem = refs.pop(0) if decay else None
   # scalar: 2^(g_last - g) V; vector: Q 2^(g - g_m) and K 2^(g_m - g)
   scaled_smem = [refs.pop(0) for _ in range(2 if vector else 1 if decay else 0)]
@@ -159,6 +162,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
     rows = pl.ds(c * CHUNK, CHUNK)
     chunk = [(q_ref.at[b, rows, h], q_smem), (k_ref.at[b, rows, h], k_smem),
              (v_ref.at[b, rows, h, columns], v_smem)]
+    if delta:
+      chunk.append((w_ref.at[b, rows, h], w_smem))
     if decay:
       chunk.append((g_ref.at[b, rows, h] if vector else g_ref.at[b, h, rows], g_smem))
     return chunk
@@ -189,6 +194,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
       rows = pl.ds(c * CHUNK, CHUNK)
       q_tile, k_tile, v_tile = q_smem.at[slot], k_smem.at[slot], v_smem.at[slot]
       mb.plgpu.barrier_wait(ready.at[slot])
+      if delta:  # the chunk's values U = U~ - W S, over U~ in the slot
+        def pseudo_values(acc_ref):
+          mb.plgpu.wgmma(acc_ref, w_smem.at[slot], state_smem)
+          return acc_ref[...]
+
+        correction = pl.run_scoped(pseudo_values, mb.plgpu.ACC((CHUNK, BLOCK_V), jnp.float32))
+        u = mb.load_ref(v_tile, layout=tile_layout).astype(jnp.float32) - correction
+        v_tile[...] = u.astype(dtype)
+        mb.plgpu.commit_smem()
 
       def anchor_operands():
         """Vector kind: Q 2^(g - g_m) and K 2^(g_m - g) for the scores; Q 2^g
@@ -266,14 +280,16 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
 
 
 def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: float,
-            store_states: bool, stages: int = 2):
+            store_states: bool, stages: int = 2, pseudo_keys=None):
   """o [B, S, H, Dv] in q's dtype, the final state [B, H, Dk, Dv] float32
   and, with `store_states`, the state entering each chunk [B, H, S / C, Dk,
   Dv] in q's dtype (the backward's residual, as chunked_forward returns it;
   else None). Inputs as chunked_forward's, padded: S a multiple of CHUNK;
   log_decay_cum None, [B, S, H] or [B, S, H, Dk] float32 (decay kinds
   "none", "scalar", "vector"; `chunk_cumulative_log_decay`). The vector
-  kind's factors assume `gates_in_range`."""
+  kind's factors assume `gates_in_range`. With `pseudo_keys` (the delta
+  rule's W [B, S, H, Dk] of 64-token chunks, delta_rule.ut_transform) v is
+  its U~, and each chunk's values are U~ - W S."""
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
   num_chunks = seq_len // CHUNK
@@ -283,6 +299,9 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
   scratch = [smem((stages, CHUNK, d_feature), q.dtype),
              smem((stages, CHUNK, d_feature), k.dtype),
              smem((stages, CHUNK, BLOCK_V), v.dtype)]
+  delta = pseudo_keys is not None
+  if delta:
+    scratch.append(smem((stages, CHUNK, d_feature), pseudo_keys.dtype))
   decays = ()
   if decay_kind == "scalar":
     decays = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
@@ -295,7 +314,7 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
                 smem((CHUNK, d_feature), k.dtype)]        # K 2^(g_m - g)
   scratch += [smem((d_feature, BLOCK_V), q.dtype),        # the state entering the chunk
               smem((CHUNK, BLOCK_V), q.dtype),            # the output chunk
-              mb.plgpu.Barrier(num_arrivals=3 + len(decays), num_barriers=stages),
+              mb.plgpu.Barrier(num_arrivals=3 + delta + len(decays), num_barriers=stages),
               mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
   out_type = [jax.ShapeDtypeStruct((batch, seq_len, heads, d_v), q.dtype),
               jax.ShapeDtypeStruct((batch, heads, d_feature, d_v), jnp.float32)]
@@ -303,7 +322,8 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
     out_type.append(jax.ShapeDtypeStruct((batch, heads, num_chunks, d_feature, d_v), q.dtype))
   kernel = mb.kernel(
       functools.partial(_kernel, decay_kind=decay_kind, stages=stages,
-                        num_chunks=num_chunks, scale=scale, store_states=store_states),
+                        num_chunks=num_chunks, scale=scale, store_states=store_states,
+                        delta=delta),
       name="linear_attention_mosaic_fwd",
       out_type=out_type,
       scratch_types=scratch,
@@ -314,6 +334,7 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
       thread_name="wg",
       compiler_params=mb.compiler_params(False),
   )
-  outputs = kernel(q, k, v, *decays, initial_state.astype(jnp.float32))
+  outputs = kernel(q, k, v, *((pseudo_keys,) if delta else ()), *decays,
+                   initial_state.astype(jnp.float32))
   o, final_state = outputs[:2]
   return o, final_state, (outputs[2] if store_states else None)
