@@ -7,7 +7,7 @@ Shapes, B4, bf16 inputs, L2-normed q and k, beta = sigmoid: DeltaNet (no
 decay), Gated DeltaNet (a scalar decay per step and head) and KDA (a decay
 per key feature), each at H16 Dk = Dv = 128 and Gated DeltaNet also at
 Qwen3-Next's linear-attention heads (H32, Dk = Dv = 128). Implementations:
-ours; fla's `chunk_delta_rule`, `chunk_gated_delta_rule`, `chunk_kda`
+ours (the Mosaic GPU forward where it runs), ours_triton (`implementation="triton"`); fla's `chunk_delta_rule`, `chunk_gated_delta_rule`, `chunk_kda`
 (PyTorch); the `lax.scan` reference (its backward only where the state tape
 fits in half the device). Forward and forward+backward (all inputs
 differentiated: q, k, v, beta and log_decay) by throughput, ours and fla's by
@@ -36,8 +36,8 @@ SHAPES = {  # name: (heads, d_k, d_v, decay kind)
     "kda_h16_d128": (16, 128, 128, "vector"),
 }
 SMALL = {name: (2, 32, 32, kind) for name, (_, _, _, kind) in SHAPES.items()}
-IMPLS = ("ours", "fla", "scan")
-KERNEL_TIMED = ("ours", "fla")
+IMPLS = ("ours", "ours_triton", "fla", "scan")
+KERNEL_TIMED = ("ours", "ours_triton", "fla")
 FLA_OPS = {"none": ("fla.ops.delta_rule", "chunk_delta_rule"),
            "scalar": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
            "vector": ("fla.ops.kda", "chunk_kda")}
@@ -89,6 +89,8 @@ def builders(name, kind, inputs, modes, impls, scan_backward):
   jax_fns = {
       "ours": lambda q, k, v, beta, g=None: linear_attention(
           q, k, v, beta=beta, log_decay=g),
+      "ours_triton": lambda q, k, v, beta, g=None: linear_attention(
+          q, k, v, beta=beta, log_decay=g, implementation="triton"),
       "scan": lambda q, k, v, beta, g=None: delta_rule_reference(
           q, k, v, beta, log_decay=g)[0].astype(q.dtype)}
   return call_builders(name, jax_fns, differentiated, modes, impls, scan_backward,
