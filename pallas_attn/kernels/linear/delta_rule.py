@@ -22,7 +22,8 @@ and the chunk is then ordinary decayed linear attention with values U. So:
 
 On Hopper an undifferentiated call runs 2. and 3. as one Mosaic GPU kernel
 (`delta_rule_forward_mosaic`): it computes U = U~ - W S per chunk from the
-state it carries in registers.
+state it carries in registers (with per-feature gates, KDA, in one ring
+slot: two would outgrow shared memory).
 """
 from __future__ import annotations
 
@@ -190,21 +191,31 @@ def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
   """(o, final state) of the delta rule with the state and output passes as
   one Mosaic GPU kernel (kernels/linear/mosaic_forward.py) after the UT
   transform, in that kernel's 64-token chunks: the sequence is padded to
-  them with zero beta and no decay (steps that change nothing). No
-  residuals: a differentiated call runs `delta_rule_forward`, whose chunks
-  the backward shares."""
+  them with zero beta and no decay (steps that change nothing). Per-feature
+  gates (KDA) past `mosaic_forward.gates_in_range` run `delta_rule_forward`
+  at run time. No residuals: a differentiated call runs
+  `delta_rule_forward`, whose chunks the backward shares."""
   chunk, seq_len = mosaic_forward.CHUNK, q.shape[1]
   padding = -seq_len % chunk
   pad = lambda x: None if x is None else jnp.pad(
       x, [(0, 0), (0, padding)] + [(0, 0)] * (x.ndim - 2))
   q, k, v, beta, log_decay = map(pad, (q, k, v, beta, log_decay))
-  schedule = dataclasses.replace(schedule, chunk_size=chunk)
-  log_decay_cum = cumulative_log_decay(log_decay, schedule)
-  pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum, schedule)
-  o, final_state, _ = mosaic_forward.forward(
-      q, k, pseudo_values, log_decay_cum, initial_state, decay_kind=schedule.decay_kind,
-      scale=schedule.scale, store_states=False, stages=schedule.num_stages,
-      pseudo_keys=pseudo_keys)
+  in_chunks = dataclasses.replace(schedule, chunk_size=chunk)
+  log_decay_cum = cumulative_log_decay(log_decay, in_chunks)
+
+  def mosaic():
+    pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum, in_chunks)
+    o, final_state, _ = mosaic_forward.forward(
+        q, k, pseudo_values, log_decay_cum, initial_state, decay_kind=schedule.decay_kind,
+        scale=schedule.scale, store_states=False, stages=schedule.num_stages,
+        pseudo_keys=pseudo_keys)
+    return o, final_state
+
+  if schedule.decay_kind == "vector":  # KDA: the anchored factors' range, as for GLA
+    triton = lambda: delta_rule_forward(q, k, v, beta, log_decay, initial_state, schedule)[:2]
+    o, final_state = lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic, triton)
+  else:
+    o, final_state = mosaic()
   return o[:, :seq_len], final_state
 
 
