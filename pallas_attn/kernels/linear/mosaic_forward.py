@@ -31,9 +31,11 @@ keep every factor <= 1).
 Scope (`obstacle` says what falls back to Triton): 16-bit inputs and
 outputs (bfloat16 for per-feature gates: float16 overflows at 2^16, and its
 first run here gave NaNs), 64-token chunks, Dk' 64 or 128, Dv' a multiple
-of 64, no delta rule, and enough programs to fill the GPU (each walks its
-sequence alone, so with few of them the Triton passes' parallel output pass
-keeps more SMs busy).
+of 64, and enough programs to fill the GPU (each walks its sequence alone,
+so with few of them the Triton passes' parallel output pass keeps more SMs
+busy). The delta rule's forward (delta_rule.delta_rule_forward_mosaic)
+passes its W as `pseudo_keys` and its U~ as v: each chunk's values are then
+U~ - W S, one more product from the state the kernel holds.
 """
 from __future__ import annotations
 
