@@ -49,25 +49,19 @@ from pallas_attn.schedule.template import ResourceUse, accumulator_registers, re
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
-  """Gradients of one chunk ("none"/"scalar" decay); with a decay, also each
-  row's q.dq - k.dk (this Dv block's part of dL/dG, see log_decay_grad), so
-  that no pass reads q, k, dq and dk again for it."""
+  """Gradients of one chunk ("none"/"scalar" decay)."""
   (q_ref, k_ref, v_ref, g_ref, state_ref, d_state_ref, do_ref, dq_ref, dk_ref,
-   dv_ref, *d_rows_ref) = refs
+   dv_ref) = refs
   q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
   dtype = q.dtype
   state, d_state = state_ref[...], d_state_ref[...]
   decay, g, g_to_end = dense_decay(g_ref, chunk)
   scores = (mm(q, k, trans_b=True) * decay).astype(dtype)
   d_scores = (mm(do, v, trans_b=True) * decay).astype(dtype)
-  dq = scale * (mm(d_scores, k) + scale_rows(mm(do, state, trans_b=True), g))
-  dk = (scale * mm(d_scores.T, q)
-        + scale_rows(mm(v, d_state, trans_b=True), g_to_end))
-  dq_ref[...] = dq.astype(dq_ref.dtype)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  if d_rows_ref:
-    d_rows_ref[0][...] = jnp.sum(q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk,
-                                 axis=1)
+  dq_ref[...] = scale * (
+      mm(d_scores, k) + scale_rows(mm(do, state, trans_b=True), g))
+  dk_ref[...] = (scale * mm(d_scores.T, q)
+                 + scale_rows(mm(v, d_state, trans_b=True), g_to_end))
   dv_ref[...] = (scale * mm(scores.T, do) + mm(
       scale_rows(k, g_to_end).astype(dtype), d_state)).astype(dv_ref.dtype)
 
@@ -135,14 +129,10 @@ def _gradient_kernel(*refs, schedule: ChunkedSchedule, fp32_exact: bool):
 
 def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
                      schedule: ChunkedSchedule):
-  """dq, dk, dv, d(initial state) of the chunked forward, and dL/dG (G the
-  cumulative log decay, `log_decay_grad`'s input) where the kernel forms it
-  (the "scalar" kind: [B, S, H]), else None.
+  """dq, dk (float32), dv and d(initial state) of the chunked forward.
 
   Shapes as in `chunked_forward`; d_out [B, S, H, Dv], d_final
-  [B, H, Dk, Dv] float32. dq and dk are float32 sums over the Dv blocks, or
-  in q's dtype where one block spans Dv and no caller needs them in float32
-  (only the "vector" kind's decay gradient reads them).
+  [B, H, Dk, Dv] float32. dq and dk are summed over the Dv blocks here.
   """
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
@@ -158,39 +148,32 @@ def chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
   inputs += [chunk_states, d_states, d_out]
   partial_spec = pl.BlockSpec((None, None, rows, None, d_feature),
                               lambda j, c, b, h: (j, b, c, h, 0))
-  vector = schedule.decay_kind == "vector"
-  partial_dtype = jnp.float32 if num_blocks_v > 1 or vector else q.dtype
   partial_shape = jax.ShapeDtypeStruct(
-      (num_blocks_v, batch, seq_len, heads, d_feature), partial_dtype)
+      (num_blocks_v, batch, seq_len, heads, d_feature), jnp.float32)
   out_shape = [partial_shape, partial_shape,
                jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_specs = [partial_spec, partial_spec,
                row_spec(schedule, block_v, column_blocked=True)]
-  rows_of_decay = schedule.decay_kind == "scalar"
-  if rows_of_decay:
-    out_shape.append(jax.ShapeDtypeStruct((num_blocks_v, batch, seq_len, heads), jnp.float32))
-    out_specs.append(pl.BlockSpec((None, None, rows, None), lambda j, c, b, h: (j, b, c, h)))
   kernel = functools.partial(_gradient_kernel, schedule=schedule,
                              fp32_exact=q.dtype == jnp.float32)
-  dq, dk, dv, *d_rows = backend.pallas_call(
+  dq, dk, dv = backend.pallas_call(
       kernel, out_shape=out_shape,
       grid=(num_blocks_v, seq_len // rows, batch, heads),
       in_specs=in_specs, out_specs=out_specs, num_warps=schedule.num_warps,
       num_stages=schedule.num_stages, interpret=schedule.interpret,
       name=f"linear_attention_bwd_{schedule.decay_kind}")(*inputs)
-  d_cumulative = d_rows[0].sum(0) if rows_of_decay else None
-  return dq.sum(0), dk.sum(0), dv, d_initial, d_cumulative
+  return dq.sum(0), dk.sum(0), dv, d_initial
 
 
-def log_decay_grad(d_cumulative, final_state, d_final, decay_kind: str):
-  """d(step log decay) from dL/dG_t = q_t * dq_t - k_t * dk_t (see the module
-  docstring; summed over Dk for the "scalar" kind): its reverse cumulative
-  sum over the sequence, plus the final state's S_T * dS_T.
+def log_decay_grad(q, k, dq, dk, final_state, d_final, decay_kind: str):
+  """d(step log decay) from the q/k gradients (see the module docstring).
 
   Returns [B, S, H] for the "scalar" kind, [B, S, H, Dk] for "vector".
   """
+  d_cumulative = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
   d_last = jnp.sum(final_state * d_final, axis=-1)  # [B, H, Dk]
   if decay_kind == "scalar":
+    d_cumulative = jnp.sum(d_cumulative, axis=-1)
     d_last = jnp.sum(d_last, axis=-1)
   return lax.cumsum(d_cumulative, axis=1, reverse=True) + d_last[:, None]
 
@@ -247,26 +230,22 @@ def _backward(schedule, residuals, cotangents):
   d_out, d_final = cotangents
   triton = lambda: chunked_backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final,
                                     schedule)
-  mosaic = lambda: (*linear_mosaic_backward.backward(
+  mosaic = lambda: linear_mosaic_backward.backward(
       q, k, v, log_decay_cum, chunk_states, d_out, d_final, decay_kind=schedule.decay_kind,
-      scale=schedule.scale, stages=schedule.num_stages), None)
+      scale=schedule.scale, stages=schedule.num_stages)
   if schedule.backward_lowering != "mosaic_gpu":
-    grads = triton()
+    dq, dk, dv, d_initial = triton()
   elif schedule.decay_kind == "vector":  # as the forward: the anchored factors' range
-    grads = lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic, triton)
+    dq, dk, dv, d_initial = lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic,
+                                     triton)
   else:
-    grads = mosaic()
-  dq, dk, dv, d_initial, d_cumulative = grads
+    dq, dk, dv, d_initial = mosaic()
   d_log_decay = None
   if log_decay is not None:  # no gradient through the prefix pass' clamp
-    if d_cumulative is None:  # from the gradients (per feature for the vector kind)
-      d_cumulative = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
-      if schedule.decay_kind == "scalar":
-        d_cumulative = jnp.sum(d_cumulative, axis=-1)
     d_log_decay = jnp.where(
         log_decay >= LOG_DECAY_FLOOR,
-        log_decay_grad(d_cumulative, final_state, d_final, schedule.decay_kind),
-        0.0).astype(log_decay.dtype)
+        log_decay_grad(q, k, dq, dk, final_state, d_final,
+                       schedule.decay_kind), 0.0).astype(log_decay.dtype)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv, d_log_decay, d_initial
 
 
