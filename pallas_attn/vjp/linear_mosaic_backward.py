@@ -121,8 +121,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, states_ref, *refs, decay_kind: str, sta
       ds_smem[...] = d_state.astype(dtype)
       mb.plgpu.commit_smem()
       if decay and not vector:
+        # Two loads told apart (optimized=False): merged into one by CSE, one
+        # value would need both layouts and JAX 0.11's layout inference fails.
         g_rows = mb.load_ref(g_smem.at[slot], layout=row_layout)
-        g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout)
+        g_columns = mb.load_ref(g_smem.at[slot], layout=column_layout, optimized=False)
         g_last = g_smem[slot, CHUNK - 1]
         # [j, i] tiles: 2^(g_i - g_j); [i, j] tiles take its transpose's formula
         gap_t = (lax.broadcast_in_dim(-g_rows, shape, (0,))
