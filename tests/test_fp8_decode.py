@@ -52,6 +52,23 @@ def test_fp8_cache_matches_the_dequantized_reference(dtype, per, config, seq_q, 
 
 
 @pytest.mark.parametrize("interpret", MODES)
+def test_fp8_cache_takes_queries_past_float16s_range(interpret):
+  """The products run in float16; a query past its range is scaled by a
+  power of two first (one kv head's queries here reach 2^20, the other's
+  stay small), so nothing overflows and the small ones keep their digits."""
+  q, k, v = cache_inputs(1, seed=2)
+  q = q.at[:, :, :2].multiply(2.0 ** 20 / 8)
+  (k8, k_descale), (v8, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
+  k_descale = k_descale * 2.0 ** -17  # keeps the scores' scale moderate
+  out = pa.decode_attention(q, poisoned(k8, LENGTHS), poisoned(v8, LENGTHS), LENGTHS,
+                            k_descale=k_descale, v_descale=v_descale, config=SPLITS,
+                            interpret=interpret)
+  want = reference(q, dequantized(k8, k_descale), dequantized(v8, v_descale), LENGTHS)
+  assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+  assert_close(out, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("interpret", MODES)
 def test_fp8_pages_match_the_contiguous_cache(interpret):
   q, k, v = cache_inputs(2, seed=1)
   (k8, k_descale), (v8, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
