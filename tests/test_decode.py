@@ -197,6 +197,9 @@ def test_schedule_fills_the_gpu():
   assert heuristic_decode_config(1, 8, 4, 1024, 128, 128, sm_count=None).num_splits == 1
   wide = heuristic_decode_config(1, 8, 4, 4096, 256, 256, itemsize=4, sm_count=132)
   assert wide.block_k == 32  # 3 stages of K/V tiles within 192 KiB
+  fp8 = heuristic_decode_config(1, 8, 4, 131072, 128, 128, itemsize=1, sm_count=132,
+                                smem_per_block=227 * 1024)
+  assert (fp8.block_k, fp8.num_stages) == (128, 4)  # an fp8 cache: half the bytes a stage
 
 
 def test_bad_input_errors():
