@@ -10,7 +10,8 @@ Implementations: decode = `decode_attention` (kv_lengths = S); paged =
 `paged_attention` on the same keys in 16-key pages (vLLM's default),
 shuffled; decode_fp8 / paged_fp8 = the same on an e4m3 cache with per-head
 descales (`quantize_fp8`; their GB/s count the bf16 cache's bytes, so they
-read fp8 at half the figure); attention = `attention` (Sq <= 16 dispatches to the split-KV
+read fp8 at half the figure; their rows' `extra.rel_err_f32` hold the
+errors against float32 attention, `fp8_accuracy`); attention = `attention` (Sq <= 16 dispatches to the split-KV
 template); parallel = `attention` with the parallel template's heuristic
 config (the path before split-KV); cudnn = `dot_product_attention` with
 query and key lengths (without, if cuDNN refuses them), for the window on the
@@ -125,6 +126,35 @@ def builders(name, spec, impls):
   return {(name, impl, "decode"): calls[impl] for impl in impls}, gbytes
 
 
+def fp8_accuracy(name, spec) -> dict:
+  """Relative errors (`harness.rel_err`) of decode_attention against float32
+  attention over every key, Sq 1 and no window: a bf16 cache against the
+  bf16 inputs; an e4m3 cache (per-head descales) against its dequantized
+  values and against the bf16 inputs it was quantized from; on normal keys
+  and values, and with an outlier channel (x20 in channel 3) in both."""
+  batch, seq, _, _ = spec
+  c = bench.case(name, "vanilla", batch, seq, seq_q=1, heads=HEADS, kv_heads=KV_HEADS, d_qk=D)
+  inputs = bench.make_inputs(c)
+  q, lengths = inputs.q, jnp.full((batch,), seq, jnp.int32)
+  reference = jax.jit(lambda k, v: jax.nn.dot_product_attention(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)))
+  decode = jax.jit(pa.decode_attention)
+  found = {}
+  for label, k, v in (("", inputs.k, inputs.v),
+                      ("_outliers", inputs.k.at[..., 3].multiply(20), inputs.v.at[..., 3].multiply(20))):
+    (k8, k_descale), (v8, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
+    dequantized = [x.astype(jnp.float32) * s[:, None, :, None]
+                   for x, s in ((k8, k_descale), (v8, v_descale))]
+    fp8 = [np.asarray(decode(q, k8, v8, lengths, k_descale=k_descale, v_descale=v_descale),
+                      np.float32)]
+    err = lambda out, ref: harness.rel_err(out, [np.asarray(ref, np.float32)])
+    found[f"bf16{label}"] = err([np.asarray(decode(q, k, v, lengths), np.float32)],
+                                reference(k, v))
+    found[f"fp8_vs_dequantized{label}"] = err(fp8, reference(*dequantized))
+    found[f"fp8_vs_bf16_inputs{label}"] = err(fp8, reference(k, v))
+  return found
+
+
 def main(argv=None):
   parser = harness.parser(__doc__.splitlines()[0])
   parser.add_argument("--cases", nargs="+", default=None, help="case names (default: all)")
@@ -139,6 +169,11 @@ def main(argv=None):
     found, gbytes = builders(name, spec, args.impls)
     r, q = harness.measure_calls(found, rounds=args.rounds, budget=budget,
                                  gbytes={(name, "decode"): gbytes})
+    if spec[2] == 1 and spec[3] is None and {"decode_fp8", "paged_fp8"} & set(args.impls):
+      accuracy = fp8_accuracy(name, spec)
+      for row in r:
+        if row.impl in ("decode", "decode_fp8", "paged_fp8"):
+          row.extra["rel_err_f32"] = accuracy
     rows += r
     ratios += q
   kind = jax.devices()[0].device_kind.lower()
