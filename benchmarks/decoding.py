@@ -131,17 +131,20 @@ def fp8_accuracy(name, spec) -> dict:
   attention over every key, Sq 1 and no window: a bf16 cache against the
   bf16 inputs; an e4m3 cache (per-head descales) against its dequantized
   values and against the bf16 inputs it was quantized from; on normal keys
-  and values, and with an outlier channel (x20 in channel 3) in both."""
+  and values, and with an outlier channel (x20 in channel 3) in both.
+  Inputs are float32 normals rounded to bf16: normals drawn in bf16 take few
+  distinct values, whose rounding errors in e4m3 then add up instead of
+  averaging out (18% at 32k keys against 4% here)."""
   batch, seq, _, _ = spec
-  c = bench.case(name, "vanilla", batch, seq, seq_q=1, heads=HEADS, kv_heads=KV_HEADS, d_qk=D)
-  inputs = bench.make_inputs(c)
-  q, lengths = inputs.q, jnp.full((batch,), seq, jnp.int32)
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key, shape in
+             zip(keys, ((batch, 1, HEADS, D), *2 * ((batch, seq, KV_HEADS, D),))))
+  lengths = jnp.full((batch,), seq, jnp.int32)
   reference = jax.jit(lambda k, v: jax.nn.dot_product_attention(
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)))
   decode = jax.jit(pa.decode_attention)
   found = {}
-  for label, k, v in (("", inputs.k, inputs.v),
-                      ("_outliers", inputs.k.at[..., 3].multiply(20), inputs.v.at[..., 3].multiply(20))):
+  for label, k, v in (("", k, v), ("_outliers", k.at[..., 3].multiply(20), v.at[..., 3].multiply(20))):
     (k8, k_descale), (v8, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
     dequantized = [x.astype(jnp.float32) * s[:, None, :, None]
                    for x, s in ((k8, k_descale), (v8, v_descale))]

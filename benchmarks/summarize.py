@@ -476,6 +476,36 @@ def decoding(folders) -> list[str]:
           + f". The parallel template is {min(parallel):.1f}-{max(parallel):.1f}x slower."]
 
 
+FP8_DECODE_ROWS = [("B8 8k", "b8_8k"), ("B8 32k", "b8_32k"), ("B1 128k", "b1_128k")]
+
+
+def fp8_decoding(folders) -> list[str]:
+  """Issue 40's decode table: the e4m3 cache against our bf16 cache and
+  cuDNN's (kernel time ratios, bf16 time / fp8 time), with the errors
+  against float32 attention (`decoding.fp8_accuracy`)."""
+  src = Source(folders, [(c, "decode_fp8", "decode", ("kernel",)) for _, c in FP8_DECODE_ROWS])
+  speedup = lambda c, bf16, fp8: src.ratio((c, bf16, "decode"), (c, fp8, "decode"))
+  rows, ratios = [], []
+  for label, c in FP8_DECODE_ROWS:
+    fp8 = src.row(c, "decode_fp8", "decode")
+    found = [speedup(c, "decode", "decode_fp8"), speedup(c, "cudnn", "decode_fp8"),
+             speedup(c, "paged", "paged_fp8")]
+    ratios += [f[0] for f in found if f]
+    errors = fp8["extra"].get("rel_err_f32", {})
+    error = lambda key: num(errors.get(key), ".4f")
+    rows.append([label, f"{fp8['time_ms']:.4f}", f"{fp8['gb_s'] / 2e3:.2f}",
+                 *(ratio_cell(f) for f in found),
+                 " / ".join(error(k + suffix) for suffix in ("", "_outliers")
+                            for k in ("bf16", "fp8_vs_dequantized", "fp8_vs_bf16_inputs"))])
+  header = ["case", "fp8 decode ms", "fp8 TB/s read", "bf16 decode / fp8", "cuDNN bf16 / fp8",
+            "paged bf16 / paged fp8",
+            "rel. error: bf16, fp8 vs dequantized, fp8 vs bf16 inputs; same with outliers"]
+  return [f"Kernel time per call, median of alternating rounds. {src.caption()}", "",
+          *table(header, rows), "",
+          f"- fp8-cache decode >= 1.8x our bf16 decode and cuDNN's: {min(ratios):.2f}-"
+          f"{max(ratios):.2f}: {met(min(ratios) >= 1.8)}."]
+
+
 def _multi_gpu_docs() -> tuple[str, list, dict | None]:
   """(folder, the newest folder's multi_gpu files but `*_before.json`, that file or None)."""
   paths = sorted(glob.glob(os.path.join(RESULTS, "*_*", "multi_gpu*.json")), reverse=True)
@@ -854,6 +884,7 @@ SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms, and f
             ("block_mask", "Issue 14, item 3: block-mask builds", block_mask),
             ("train_example", "Issue 16: a small LM trained with the layers", train_example),
             ("decoding", "Issue 17: split-KV decoding", decoding),
+            ("fp8_decoding", "Issue 40: decoding from an fp8 cache", fp8_decoding),
             ("multi_gpu", "Issues 41 and 42: several GPUs of one host", multi_gpu),
             ("chunked_hopper", "Issue 38: the chunked-recurrent pattern on Hopper",
              chunked_hopper),
