@@ -4,6 +4,7 @@
   pallas-attn bench vanilla causal softcap --seq-q 4096
   pallas-attn explain my_variant.py --seq-q 2048
   pallas-attn explain-linear --decay step --batch 4 --heads 16 --seq-q 4096 --d-qk 128
+  pallas-attn tune-linear --decay step --batch 4 --heads 16 --seq-q 4096 --budget 120
   pallas-attn demo ...
   pallas-attn cache list | clear | export PATH | merge PATH
 
@@ -24,7 +25,8 @@ from pallas_attn.schedule import cache as cache_lib
 from pallas_attn.schedule import template as template_lib
 from pallas_attn.schedule.search_space import format_config, search_space
 from pallas_attn.schedule.template import ProblemShape
-from pallas_attn.tuning import ATTENTION_TEMPLATES, tune_attention
+from pallas_attn.tuning import (ATTENTION_TEMPLATES, LINEAR_DECAYS, LINEAR_MODES,
+                                tune_attention, tune_linear_attention)
 
 DTYPES = ("bfloat16", "float16", "float32")
 _FILE_NAMES = ("score_mod", "mask_mod", "rownorm")
@@ -141,6 +143,11 @@ def cmd_tune(args) -> int:
   except RuntimeError as e:
     print(f"pallas-attn: tuning failed: {e}", file=sys.stderr)
     return 1
+  return _report_tuning(result, args)
+
+
+def _report_tuning(result, args) -> int:
+  """Prints what a tuning run timed, the winner against the heuristic, and where it went."""
   tried = sum(t.ok for t in result.trials)
   print(f"timed {tried} of {len(result.trials) + result.skipped} configs in "
         f"{result.elapsed_s:.1f} s ({result.skipped} skipped by the budget)")
@@ -154,6 +161,25 @@ def cmd_tune(args) -> int:
   if not args.no_store:
     print(f"stored in {cache_lib.default_cache_path()}")
   return 0
+
+
+def cmd_tune_linear(args) -> int:
+  """Tunes linear_attention's tiles for a decay form and shape; stores the winner."""
+  from pallas_attn.schedule.device import current_device_kind
+  shape = _shape(args)
+  print(f"tuning linear attention, decay {args.decay}{', delta rule' if args.delta else ''}"
+        f"{', normalize' if args.normalize else ''} ({args.mode}) for "
+        f"{bench_lib.describe_shape(shape)} on {current_device_kind()}, budget "
+        f"{args.budget:g} s", flush=True)
+  try:
+    result = tune_linear_attention(
+        shape.q_shape, shape.v_shape, decay=args.decay, delta=args.delta,
+        normalize=args.normalize, dtype=shape.dtype, mode=args.mode, budget_s=args.budget,
+        max_candidates=args.max_candidates, store=not args.no_store, progress=_progress)
+  except RuntimeError as e:
+    print(f"pallas-attn: tuning failed: {e}", file=sys.stderr)
+    return 1
+  return _report_tuning(result, args)
 
 
 def cmd_bench(args) -> int:
@@ -225,9 +251,6 @@ def cmd_explain(args) -> int:
   return 0
 
 
-LINEAR_DECAYS = ("none", "head", "step", "feature")
-
-
 def cmd_explain_linear(args) -> int:
   """Which lowering `linear_attention` runs at a shape, and why."""
   import jax.numpy as jnp
@@ -252,6 +275,22 @@ def cmd_explain_linear(args) -> int:
 def cmd_demo(args) -> int:
   from pallas_attn import demo
   return demo.main(args.extra)
+
+
+def _add_tuning_args(parser) -> None:
+  parser.add_argument("--budget", type=_positive_float, default=60.0, metavar="SECONDS",
+                      help="stop starting new candidates after this long (default 60)")
+  parser.add_argument("--max-candidates", type=_positive_int, default=None, metavar="N",
+                      help="time at most the N candidates nearest the heuristic")
+  parser.add_argument("--no-store", action="store_true", help="do not write the cache")
+
+
+def _add_linear_args(parser) -> None:
+  parser.add_argument("--decay", choices=LINEAR_DECAYS, default="step",
+                      help="log_decay's form: none, one per head, per step and head, "
+                      "per key feature (GLA)")
+  parser.add_argument("--delta", action="store_true", help="the delta rule (beta given)")
+  parser.add_argument("--normalize", action="store_true")
 
 
 def _format_entry(entry: dict) -> str:
@@ -314,12 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
   _add_shape_args(tune, seq=1024)
   tune.add_argument("--template", choices=ATTENTION_TEMPLATES, default=None,
                     help="the pass to tune (default: the forward template that runs here)")
-  tune.add_argument("--budget", type=_positive_float, default=60.0, metavar="SECONDS",
-                    help="stop starting new candidates after this long (default 60)")
-  tune.add_argument("--max-candidates", type=_positive_int, default=None, metavar="N",
-                    help="time at most the N candidates nearest the heuristic")
-  tune.add_argument("--no-store", action="store_true", help="do not write the cache")
+  _add_tuning_args(tune)
   tune.set_defaults(run=cmd_tune)
+
+  tune_linear = commands.add_parser(
+      "tune-linear", help="tune linear_attention's tiles (and so its lowering) for a shape")
+  _add_linear_args(tune_linear)
+  tune_linear.add_argument("--mode", choices=LINEAR_MODES, default="fwd_bwd",
+                           help="time the forward with its backward (training, default) or "
+                           "the forward alone")
+  _add_shape_args(tune_linear, seq=4096)
+  _add_tuning_args(tune_linear)
+  tune_linear.set_defaults(run=cmd_tune_linear)
 
   bench = commands.add_parser("bench", help="TFLOP/s of our kernels next to cuDNN, "
                               "JAX's Pallas attention and XLA")
@@ -346,11 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   explain_linear = commands.add_parser(
       "explain-linear", help="show which lowering linear_attention runs at a shape, and why")
-  explain_linear.add_argument("--decay", choices=LINEAR_DECAYS, default="step",
-                              help="log_decay's form: none, one per head, per step and head, "
-                              "per key feature (GLA)")
-  explain_linear.add_argument("--delta", action="store_true", help="the delta rule (beta given)")
-  explain_linear.add_argument("--normalize", action="store_true")
+  _add_linear_args(explain_linear)
   _add_shape_args(explain_linear, seq=4096)
   explain_linear.set_defaults(run=cmd_explain_linear)
 

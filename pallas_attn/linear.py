@@ -90,9 +90,10 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels.linear import mosaic_forward
 from pallas_attn.kernels.linear.chunked_forward import ChunkedSchedule
+from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import LinearAttentionConfig, next_power_of_2
 from pallas_attn.schedule.device import device_config
-from pallas_attn.schedule.template import ProblemShape
+from pallas_attn.schedule.template import ProblemShape, Template
 from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.delta_rule_backward import chunked_delta_rule
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
@@ -123,19 +124,34 @@ def _kernel_decay_kind(kind: str) -> str:
   return "scalar" if kind == spec_lib.DECAY_PER_HEAD else kind
 
 
-def _tiles(spec: spec_lib.LinearAttentionSpec, chunk_size: int | None,
-           config: LinearAttentionConfig | None):
-  """(config, chunk, padded Dk', padded Dv') of a call: the given config or
-  its template's default; Dv' counts normalize's ones column."""
+def tuned_template(spec: spec_lib.LinearAttentionSpec) -> Template:
+  """The template whose config (LinearAttentionConfig) tiles this call: the
+  chunked passes, or the delta rule's (per-feature decays apart)."""
+  if spec.state_update != spec_lib.UPDATE_DELTA:
+    return _templates.LINEAR_FORWARD
+  return (_templates.DELTA_RULE_PER_FEATURE if spec.decay_kind == spec_lib.DECAY_VECTOR
+          else _templates.DELTA_RULE)
+
+
+def tile_shapes(spec: spec_lib.LinearAttentionSpec) -> tuple[tuple, tuple, tuple]:
+  """The (q, k, v) shapes the tiles see: Dk' after the feature maps, Dv with
+  normalize's ones column (the tuning cache's key shapes)."""
+  rows = (spec.batch, spec.seq_len, spec.heads)
+  return rows + (spec.d_feature,), rows + (spec.d_feature,), rows + (spec.d_v + spec.normalize,)
+
+
+def resolve_config(spec: spec_lib.LinearAttentionSpec, chunk_size: int | None,
+                   config) -> tuple[LinearAttentionConfig, int, int, int]:
+  """(config, chunk, padded Dk', padded Dv') of a call: the given config,
+  else (None or "auto") the one `tune_linear_attention` stored for this
+  variant and shape bucket, else the template's default; `chunk_size`
+  overrides the chunk. Dv' counts normalize's ones column."""
+  if not isinstance(config, LinearAttentionConfig):
+    template, shapes = tuned_template(spec), tile_shapes(spec)
+    config = (tuning_cache.lookup_config(template.name, spec.fingerprint(), q_shape=shapes[0],
+                                         k_shape=shapes[1], v_shape=shapes[2], dtype=spec.dtype)
+              or template.default_config(ProblemShape.from_shapes(*shapes, spec.dtype)))
   d_values = spec.d_v + int(spec.normalize)
-  if config is None:
-    template = _templates.LINEAR_FORWARD
-    if spec.state_update == spec_lib.UPDATE_DELTA:
-      template = (_templates.DELTA_RULE_PER_FEATURE
-                  if spec.decay_kind == spec_lib.DECAY_VECTOR else _templates.DELTA_RULE)
-    rows = (spec.batch, spec.seq_len, spec.heads)
-    config = template.default_config(ProblemShape.from_shapes(
-        rows + (spec.d_feature,), rows + (spec.d_feature,), rows + (d_values,), spec.dtype))
   return (config, chunk_size or config.chunk_size, next_power_of_2(max(spec.d_feature, 16)),
           next_power_of_2(max(d_values, 16)))
 
@@ -186,7 +202,7 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
                      scale: float | None = None, initial_state=None,
                      return_final_state: bool = False,
                      chunk_size: int | None = None,
-                     config: LinearAttentionConfig | None = None,
+                     config: LinearAttentionConfig | str | None = None,
                      interpret: bool | None = None,
                      implementation: str | None = None):
   """Decayed linear attention over a sequence (see the module docstring).
@@ -208,7 +224,9 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
     return_final_state: also return the float32 state after the last token.
     chunk_size: tokens per chunk (power of two >= 16); overrides `config`.
     config: a LinearAttentionConfig (chunk_size, block_v, num_warps,
-      num_stages); a heuristic picks one when None.
+      num_stages); None or "auto": the one `tune_linear_attention` stored
+      for this variant and shape bucket, else a heuristic's. Only 64-token
+      chunks run on Mosaic GPU.
     interpret: run the kernels in Pallas interpret mode (default: on CPU).
     implementation: the forward's lowering. None: Mosaic GPU (one kernel
       per (batch, head, Dv block) carrying the state, Hopper) where it runs
@@ -231,7 +249,7 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
     values = jnp.concatenate([v, jnp.ones(v.shape[:3] + (1,), v.dtype)], -1)
   if initial_state is None:
     initial_state = jnp.zeros(spec.state_shape, jnp.float32)
-  config, chunk, d_feature, d_values = _tiles(spec, chunk_size, config)
+  config, chunk, d_feature, d_values = resolve_config(spec, chunk_size, config)
   decay_kind = _kernel_decay_kind(spec.decay_kind)
   block_v = min(config.block_v, d_values)
   seq_len = math.ceil(spec.seq_len / chunk) * chunk
@@ -275,7 +293,7 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
 def linear_attention_lowering(q, k, v, *, log_decay=None, beta=None,
                               q_mod: FeatureMap | None = None, k_mod: FeatureMap | None = None,
                               normalize: bool = False, chunk_size: int | None = None,
-                              config: LinearAttentionConfig | None = None,
+                              config: LinearAttentionConfig | str | None = None,
                               interpret: bool | None = None,
                               implementation: str | None = None) -> lowering_lib.Lowering:
   """Which lowering `linear_attention` with these arguments runs, and why
@@ -284,7 +302,7 @@ def linear_attention_lowering(q, k, v, *, log_decay=None, beta=None,
       q, k, v, log_decay=log_decay, q_mod=q_mod, k_mod=k_mod, normalize=normalize,
       scale=None, initial_state=None, beta=beta)
   spec_lib.check_linear_config(chunk_size, config)
-  _, chunk, d_feature, d_values = _tiles(spec, chunk_size, config)
+  _, chunk, d_feature, d_values = resolve_config(spec, chunk_size, config)
   return _choose_lowering(implementation, spec, d_feature=d_feature, d_values=d_values,
                           chunk=chunk, interpret=backend.resolve_interpret(interpret))
 

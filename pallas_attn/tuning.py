@@ -1,6 +1,7 @@
 """`tune_attention`: tunes `pallas_attn.attention`'s passes and the split-KV
 template for a variant and shapes, through the generic tuner
-(schedule/tuner.py), and stores the winners where `attention` looks them up.
+(schedule/tuner.py), and stores the winners where `attention` looks them up;
+`tune_linear_attention` does the same for `linear_attention`'s tiles.
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from pallas_attn.api import attention
 from pallas_attn.decode import decode_attention
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.lowering import TRITON
+from pallas_attn.linear import linear_attention, tile_shapes, tuned_template
 from pallas_attn.schedule import cache
 from pallas_attn.schedule import template as template_lib
 from pallas_attn.schedule.config import MAX_DECODE_QUERIES
 from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.schedule.tuner import TuningResult, tune_template
+from pallas_attn.spec import linear as linear_spec
 from pallas_attn.spec.analysis import analyze_variant
 
 ATTENTION_TEMPLATES = tuple(t.name for t in _templates.ATTENTION)
@@ -108,3 +111,71 @@ def tune_attention(q_shape, k_shape, v_shape, *, dtype="bfloat16", score_mod=Non
     return tune_template(template, fingerprint, build, shape, block_sparse=block_sparse,
                          scores_per_position=analysis.scores_per_position,
                          **tuning)
+
+
+LINEAR_DECAYS = ("none", "head", "step", "feature")  # log_decay's forms, as the CLI names them
+LINEAR_MODES = ("fwd", "fwd_bwd")
+
+
+def _linear_inputs(q_shape, v_shape, decay: str, delta: bool, dtype, seed: int):
+  """Random (q, k, v, log_decay, beta, d_out) as models feed them: unit-norm
+  q, k for the delta rule, gates of log(sigmoid) with most steps near 1."""
+  if decay not in LINEAR_DECAYS:
+    raise ValueError(f"decay must be one of {LINEAR_DECAYS}; got {decay!r}")
+  batch, seq, heads, d_k = q_shape
+  keys = jax.random.split(jax.random.key(seed), 6)
+  q, k = (jax.random.normal(key, q_shape, jnp.float32) for key in keys[:2])
+  if delta:
+    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+  v = jax.random.normal(keys[2], v_shape, jnp.float32)
+  gate_shape = {"none": None, "head": (heads,), "step": (batch, seq, heads),
+                "feature": (batch, seq, heads, d_k)}[decay]
+  log_decay = None if gate_shape is None else jax.nn.log_sigmoid(
+      4.0 + jax.random.normal(keys[3], gate_shape, jnp.float32))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, seq, heads))).astype(dtype) \
+      if delta else None
+  d_out = jax.random.normal(keys[5], v_shape, jnp.float32).astype(dtype)
+  return (*(x.astype(dtype) for x in (q, k, v)), log_decay, beta, d_out)
+
+
+def tune_linear_attention(q_shape, v_shape, *, decay: str = "none", delta: bool = False,
+                          normalize: bool = False, dtype="bfloat16", mode: str = "fwd_bwd",
+                          interpret: bool | None = None, seed: int = 0,
+                          **tuning) -> TuningResult:
+  """Tunes `linear_attention`'s tiles (LinearAttentionConfig) for a variant
+  and shapes; stores the winner, which `linear_attention(config=None or
+  "auto")` then finds.
+
+  q_shape `[B, S, H, Dk]`, v_shape `[B, S, H, Dv]`; decay: log_decay's form
+  ("none", "head", "step" or "feature"); delta: the delta rule (beta
+  given). Each candidate runs as a default call would: 64-token chunks take
+  the Mosaic GPU kernels where they run, other chunks Triton's passes, so
+  the winner also picks the lowering. mode: "fwd_bwd" times the forward with
+  its backward (training), "fwd" the forward alone (inference).
+  tuning: keyword arguments of `tune_template` (budget_s, max_candidates,
+  axes, warmup, reps, store, progress).
+  """
+  if mode not in LINEAR_MODES:
+    raise ValueError(f"mode must be one of {LINEAR_MODES}; got {mode!r}")
+  q, k, v, log_decay, beta, d_out = _linear_inputs(q_shape, v_shape, decay, delta, dtype, seed)
+  spec = linear_spec.check_linear_attention(
+      q, k, v, log_decay=log_decay, q_mod=None, k_mod=None, normalize=normalize, scale=None,
+      initial_state=None, beta=beta)
+  call = functools.partial(linear_attention, log_decay=log_decay, beta=beta,
+                           normalize=normalize, interpret=interpret)
+
+  def build(config):
+    attend = functools.partial(call, config=config)
+    if mode == "fwd":
+      forward = jax.jit(attend)
+      return lambda: forward(q, k, v)
+
+    def forward_backward(q, k, v):
+      out, pullback = jax.vjp(attend, q, k, v)
+      return out, pullback(d_out)
+    step = jax.jit(forward_backward)
+    return lambda: step(q, k, v)
+
+  shape = ProblemShape.from_shapes(*tile_shapes(spec), dtype)
+  with backend.triton_deprecation_ignored():
+    return tune_template(tuned_template(spec).name, spec.fingerprint(), build, shape, **tuning)

@@ -124,6 +124,13 @@ def test_tune_no_store(capsys, variant_file, cache_path):
   assert code == 0 and "timed 2 of 2 configs" in out and not cache_path.exists()
 
 
+def test_tune_linear_no_store(capsys, cache_path):
+  code, out, _ = run(capsys, "tune-linear", "--decay", "head", *TINY, "--seq-q", "64",
+                     "--max-candidates", "2", "--no-store")
+  assert code == 0 and "decay head" in out and "timed 2 of 2 configs" in out
+  assert not cache_path.exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "required"),
     (["tune", "x.py", "--batch", "0"], "expected a positive integer, got 0"),

@@ -570,6 +570,36 @@ def test_tune_attention_masked_backward_searches_its_own_blocks(cache_path):
   assert len({(t.config.block_q, t.config.block_k) for t in result.trials}) > 1
 
 
+def test_tune_linear_attention_is_found_by_linear_attention(cache_path):
+  """Tiles tuned for a decay form and shape are what linear_attention then
+  runs (config None or "auto"); another form's calls keep the heuristic."""
+  from pallas_attn import linear as linear_lib
+  from pallas_attn.spec import linear as linear_spec
+  q_shape, v_shape = (1, 64, 2, 16), (1, 64, 2, 16)
+  axes = {"chunk_size": (16, 32), "block_v": (16,), "num_warps": (4,), "num_stages": (2,)}
+  result = tuning.tune_linear_attention(q_shape, v_shape, decay="step", dtype="float32",
+                                        axes=axes, warmup=1, reps=2)
+  assert all(t.ok for t in result.trials) and len(result.trials) == 3  # the default too
+  q, k, v, log_decay, _, _ = tuning._linear_inputs(q_shape, v_shape, "step", False,
+                                                    jnp.float32, 0)
+  check = functools.partial(linear_spec.check_linear_attention, q_mod=None, k_mod=None,
+                            normalize=False, scale=None, initial_state=None)
+  spec = check(q, k, v, log_decay=log_decay)
+  for config in (None, "auto"):
+    assert linear_lib.resolve_config(spec, None, config)[0] == result.best
+  other = check(q, k, v, log_decay=None)
+  assert linear_lib.resolve_config(other, None, None)[0] == linear_lib.tuned_template(
+      other).default_config(template_lib.ProblemShape.from_shapes(*linear_lib.tile_shapes(other),
+                                                     "float32"))
+  out = pa.linear_attention(q, k, v, log_decay=log_decay, config="auto")
+  want = pa.linear_attention(q, k, v, log_decay=log_decay, config=result.best)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="mode must be one of"):
+    tuning.tune_linear_attention(q_shape, v_shape, mode="train")
+  with pytest.raises(ValueError, match="decay must be one of"):
+    tuning.tune_linear_attention(q_shape, v_shape, decay="gla")
+
+
 def test_tune_needs_candidates():
   with pytest.raises(ValueError, match="nothing to tune"):
     tuner.tune(lambda c: None, [])

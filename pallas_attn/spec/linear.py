@@ -53,6 +53,11 @@ class LinearAttentionSpec:
   scale: float
   state_update: str = UPDATE_ADDITIVE
 
+  def fingerprint(self) -> str:
+    """The variant's part of a tuning-cache key (the shapes are the key's own)."""
+    return (f"linear;decay={self.decay_kind};update={self.state_update};"
+            f"normalize={self.normalize}")
+
   @property
   def state_shape(self) -> tuple[int, int, int, int]:
     return (self.batch, self.heads, self.d_feature,
@@ -302,12 +307,12 @@ def check_linear_attention_step(q_t, k_t, v_t, state, *, log_decay_t, q_mod,
   return spec
 
 
-def check_linear_config(chunk_size: int | None,
-                        config: LinearAttentionConfig | None) -> None:
-  """The config's type (it checked its fields on construction) and a
-  `chunk_size` override, held to the config's chunk_size rule."""
-  if config is not None and not isinstance(config, LinearAttentionConfig):
-    raise TypeError("config must be a pallas_attn.schedule.config."
-                    f"LinearAttentionConfig, got {type(config).__name__}.")
+def check_linear_config(chunk_size: int | None, config) -> None:
+  """The config's type (it checked its fields on construction; None and
+  "auto" take a tuned one, else the heuristic's) and a `chunk_size`
+  override, held to the config's chunk_size rule."""
+  if config not in (None, "auto") and not isinstance(config, LinearAttentionConfig):
+    raise TypeError("config must be a pallas_attn.LinearAttentionConfig, 'auto' or None; "
+                    f"got {config!r}.")
   if chunk_size is not None:
     check_value("chunk_size", chunk_size, TILE)
