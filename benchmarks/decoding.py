@@ -11,9 +11,9 @@ Implementations: decode = `decode_attention` (kv_lengths = S); paged =
 shuffled; decode_fp8 / paged_fp8 = the same on an e4m3 cache with per-head
 descales (`quantize_fp8`; their GB/s count the bf16 cache's bytes, so they
 read fp8 at half the figure; their rows' `extra.rel_err_f32` hold the
-errors against float32 attention, `fp8_accuracy`); attention = `attention` (Sq <= 16 dispatches to the split-KV
-template); parallel = `attention` with the parallel template's heuristic
-config (the path before split-KV); cudnn = `dot_product_attention` with
+errors against float32 attention, `fp8_accuracy`); attention = `attention`
+(Sq <= 16 dispatches to the split-KV template); parallel = `attention` with
+the parallel template's heuristic config (the path before split-KV); cudnn = `dot_product_attention` with
 query and key lengths (without, if cuDNN refuses them), for the window on the
 window's keys sliced beforehand (the same work, no mask); flex and sdpa
 (PyTorch, GQA; the window as a block mask built once). By throughput, and
@@ -144,7 +144,8 @@ def fp8_accuracy(name, spec) -> dict:
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)))
   decode = jax.jit(pa.decode_attention)
   found = {}
-  for label, k, v in (("", k, v), ("_outliers", k.at[..., 3].multiply(20), v.at[..., 3].multiply(20))):
+  outliers = lambda x: x.at[..., 3].multiply(20)
+  for label, k, v in (("", k, v), ("_outliers", outliers(k), outliers(v))):
     (k8, k_descale), (v8, v_descale) = (pa.quantize_fp8(x) for x in (k, v))
     dequantized = [x.astype(jnp.float32) * s[:, None, :, None]
                    for x, s in ((k8, k_descale), (v8, v_descale))]
