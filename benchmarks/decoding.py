@@ -13,8 +13,9 @@ descales (`quantize_fp8`; their GB/s count the bf16 cache's bytes, so they
 read fp8 at half the figure; their rows' `extra.rel_err_f32` hold the
 errors against float32 attention, `fp8_accuracy`); attention = `attention`
 (Sq <= 16 dispatches to the split-KV template); parallel = `attention` with
-the parallel template's heuristic config (the path before split-KV); cudnn = `dot_product_attention` with
-query and key lengths (without, if cuDNN refuses them), for the window on the
+the parallel template's heuristic config (the path before split-KV); cudnn
+= `dot_product_attention` with query and key lengths (without, if cuDNN
+refuses them), for the window on the
 window's keys sliced beforehand (the same work, no mask); flex and sdpa
 (PyTorch, GQA; the window as a block mask built once). By throughput, and
 by kernel time in alternating rounds (ratios: theirs / decode's per round).
