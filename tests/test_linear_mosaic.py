@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import random
+from pallas_attn import LinearAttentionConfig
+from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.linear import mosaic_forward
 from pallas_attn.kernels.linear.reference import (delta_rule_reference,
                                                   linear_attention_reference)
@@ -94,6 +96,34 @@ def test_gradients_through_mosaic_states(kind):
       *(x.astype(jnp.float32) for x in args))
   for name, g, e in zip(["dq", "dk", "dv", "d_state", "d_log_decay"], grads, expected):
     assert _rel_err(g, e) <= 3e-2, name
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("stages", [3, 4])
+def test_deeper_rings_than_fit_take_fewer_slots(stages):
+  """A config's num_stages deeper than a kernel's rings fit (GLA's at d 128:
+  two slots forward and backward) runs with the slots that fit."""
+  q, k, v, log_decay, _ = _case(1, 192, 2, 128, 128, "vector", jnp.bfloat16, seed=3)
+  config = LinearAttentionConfig(chunk_size=64, block_v=64, num_stages=stages)
+  weights = random(v.shape, jnp.float32, 12)
+
+  def loss(attention, *args):
+    return jnp.sum(attention(*args[:3], log_decay=args[3]).astype(jnp.float32) * weights)
+
+  ours = lambda *a, **kw: linear_attention(*a, config=config, implementation="mosaic_gpu", **kw)
+  grads = jax.jit(jax.grad(lambda *a: loss(ours, *a), (0, 1, 2, 3)))(q, k, v, log_decay)
+  reference = lambda *a, **kw: linear_attention_reference(*a, **kw)[0]
+  expected = jax.grad(lambda *a: loss(reference, *a), (0, 1, 2, 3))(
+      *(x.astype(jnp.float32) for x in (q, k, v, log_decay)))
+  for name, g, e in zip(["dq", "dk", "dv", "d_log_decay"], grads, expected):
+    assert _rel_err(g, e) <= 3e-2, name
+
+
+@pytest.mark.skipif(mb.plgpu is None, reason="this JAX has no Mosaic GPU")
+def test_ring_depth_fits_shared_memory():
+  slots = lambda kib: lambda n: [mb.plgpu.SMEM((n, kib, 512), jnp.bfloat16)]  # kib KiB a slot
+  assert mb.deepest_ring(slots(64), 2) == 2 and mb.deepest_ring(slots(64), 4) == 3
+  assert mb.deepest_ring(slots(256), 3) == 1
 
 
 def test_choice_and_fallbacks():

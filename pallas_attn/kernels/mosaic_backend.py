@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +295,22 @@ def block_visits(list_refs, b, h, block, num_plain: int, num_blocks: int):
     return ((full_num[bb, hh, block], lambda j: full_idx[bb, hh, block, j]),
             (partial_num[bb, hh, block], lambda j: partial_idx[bb, hh, block, j]))
   return (num_plain, lambda j: j), (num_blocks - num_plain, lambda j: num_plain + j)
+
+
+HOPPER_SMEM = 227 * 1024  # shared memory one program may take on sm_90 (Mosaic's limit)
+SMEM_SLACK = 1024  # barriers and alignment Mosaic adds to the buffers' own bytes
+
+
+def deepest_ring(scratch_for, stages: int) -> int:
+  """The most ring slots, from `stages` down to 1, whose scratch buffers
+  (`scratch_for(slots)`, a kernel's scratch_types) fit one program's shared
+  memory: a config's pipeline depth, capped where a kernel's rings are wide."""
+  def size(scratch):
+    return sum(math.prod(t.shape) * jnp.dtype(t.dtype).itemsize for t in scratch
+               if not isinstance(t, plgpu.Barrier))
+  while stages > 1 and size(scratch_for(stages)) + SMEM_SLACK > HOPPER_SMEM:
+    stages -= 1
+  return stages
 
 
 def refill(step, stages: int, copies):

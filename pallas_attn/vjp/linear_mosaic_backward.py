@@ -233,29 +233,35 @@ def backward(q, k, v, log_decay_cum, chunk_states, d_out, d_final, *, decay_kind
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
   num_chunks, num_blocks_v = seq_len // CHUNK, d_v // BLOCK_V
-  stages = min(stages, num_chunks)
   d_out = d_out.astype(q.dtype)
   transforms = mb.smem_transforms()
   smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
-  scratch = [smem((stages, CHUNK, d_feature), q.dtype),
-             smem((stages, CHUNK, d_feature), k.dtype),
-             smem((stages, CHUNK, BLOCK_V), v.dtype),
-             smem((stages, CHUNK, BLOCK_V), q.dtype),
-             smem((stages, d_feature, BLOCK_V), chunk_states.dtype)]
   decays = ()
   if decay_kind == "scalar":
     decays = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
-    scratch.append(mb.plgpu.SMEM((stages, CHUNK), jnp.float32))
   elif decay_kind == "vector":
     decays = (log_decay_cum,)
-    scratch.append(mb.plgpu.SMEM((stages, CHUNK, d_feature), jnp.float32))
-  scratch += [smem((d_feature, BLOCK_V), q.dtype),          # dS leaving the chunk
-              smem((CHUNK, BLOCK_V), q.dtype),              # scale (* r) * dO
-              smem((CHUNK, BLOCK_V), v.dtype)]              # dv's staging
-  if decay_kind != "vector":  # the vector kind's rings leave no room for it
-    scratch.append(mb.plgpu.SMEM((CHUNK, d_feature), jnp.float32))  # dk's and dq's staging
-  scratch += [mb.plgpu.Barrier(num_arrivals=5 + len(decays), num_barriers=stages),
-              mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+
+  def scratch_for(stages):
+    scratch = [smem((stages, CHUNK, d_feature), q.dtype),
+               smem((stages, CHUNK, d_feature), k.dtype),
+               smem((stages, CHUNK, BLOCK_V), v.dtype),
+               smem((stages, CHUNK, BLOCK_V), q.dtype),
+               smem((stages, d_feature, BLOCK_V), chunk_states.dtype)]
+    if decay_kind == "scalar":
+      scratch.append(mb.plgpu.SMEM((stages, CHUNK), jnp.float32))
+    elif decay_kind == "vector":
+      scratch.append(mb.plgpu.SMEM((stages, CHUNK, d_feature), jnp.float32))
+    scratch += [smem((d_feature, BLOCK_V), q.dtype),          # dS leaving the chunk
+                smem((CHUNK, BLOCK_V), q.dtype),              # scale (* r) * dO
+                smem((CHUNK, BLOCK_V), v.dtype)]              # dv's staging
+    if decay_kind != "vector":  # the vector kind's rings leave no room for it
+      scratch.append(mb.plgpu.SMEM((CHUNK, d_feature), jnp.float32))  # dk's and dq's staging
+    return scratch + [mb.plgpu.Barrier(num_arrivals=5 + len(decays), num_barriers=stages),
+                      mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+
+  stages = mb.deepest_ring(scratch_for, min(stages, num_chunks))
+  scratch = scratch_for(stages)
   part = jax.ShapeDtypeStruct((num_blocks_v, batch, seq_len, heads, d_feature), jnp.float32)
   kernel = mb.kernel(
       functools.partial(_kernel, decay_kind=decay_kind, stages=stages, num_chunks=num_chunks,

@@ -292,33 +292,37 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
   num_chunks = seq_len // CHUNK
-  # KDA (the delta rule's W beside per-feature gates): two slots of its rings
-  # and the anchored operands would take 232 KB of shared memory; one takes 144.
-  if pseudo_keys is not None and decay_kind == "vector":
-    stages = 1
-  stages = min(stages, num_chunks)
-  transforms = mb.smem_transforms()
-  smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
-  scratch = [smem((stages, CHUNK, d_feature), q.dtype),
-             smem((stages, CHUNK, d_feature), k.dtype),
-             smem((stages, CHUNK, BLOCK_V), v.dtype)]
   delta = pseudo_keys is not None
-  if delta:
-    scratch.append(smem((stages, CHUNK, d_feature), pseudo_keys.dtype))
   decays = ()
   if decay_kind == "scalar":
     decays = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
-    scratch += [mb.plgpu.SMEM((stages, CHUNK), jnp.float32),
-                smem((CHUNK, BLOCK_V), v.dtype)]          # 2^(g_last - g) V
   elif decay_kind == "vector":
     decays = (log_decay_cum,)
-    scratch += [mb.plgpu.SMEM((stages, CHUNK, d_feature), jnp.float32),
-                smem((CHUNK, d_feature), q.dtype),        # Q 2^(g - g_m)
-                smem((CHUNK, d_feature), k.dtype)]        # K 2^(g_m - g)
-  scratch += [smem((d_feature, BLOCK_V), q.dtype),        # the state entering the chunk
-              smem((CHUNK, BLOCK_V), q.dtype),            # the output chunk
-              mb.plgpu.Barrier(num_arrivals=3 + delta + len(decays), num_barriers=stages),
-              mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+  transforms = mb.smem_transforms()
+  smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
+
+  def scratch_for(stages):
+    scratch = [smem((stages, CHUNK, d_feature), q.dtype),
+               smem((stages, CHUNK, d_feature), k.dtype),
+               smem((stages, CHUNK, BLOCK_V), v.dtype)]
+    if delta:
+      scratch.append(smem((stages, CHUNK, d_feature), pseudo_keys.dtype))
+    if decay_kind == "scalar":
+      scratch += [mb.plgpu.SMEM((stages, CHUNK), jnp.float32),
+                  smem((CHUNK, BLOCK_V), v.dtype)]          # 2^(g_last - g) V
+    elif decay_kind == "vector":
+      scratch += [mb.plgpu.SMEM((stages, CHUNK, d_feature), jnp.float32),
+                  smem((CHUNK, d_feature), q.dtype),        # Q 2^(g - g_m)
+                  smem((CHUNK, d_feature), k.dtype)]        # K 2^(g_m - g)
+    return scratch + [smem((d_feature, BLOCK_V), q.dtype),  # the state entering the chunk
+                      smem((CHUNK, BLOCK_V), q.dtype),      # the output chunk
+                      mb.plgpu.Barrier(num_arrivals=3 + delta + len(decays),
+                                       num_barriers=stages),
+                      mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
+
+  # KDA (W beside per-feature gates) fits one slot at Dk 128.
+  stages = mb.deepest_ring(scratch_for, min(stages, num_chunks))
+  scratch = scratch_for(stages)
   out_type = [jax.ShapeDtypeStruct((batch, seq_len, heads, d_v), q.dtype),
               jax.ShapeDtypeStruct((batch, heads, d_feature, d_v), jnp.float32)]
   if store_states:
