@@ -824,57 +824,41 @@ def tuning(folders) -> str:
 
 
 # label, decay kind, the run of the shipped defaults (`pallas_attn/kernels/linear/delta_rule.py`)
-DELTA_KINDS = [("DeltaNet", "none", "c32 gw8 e8"), ("Gated DeltaNet", "scalar", "c32 gw8 e8"),
-               ("KDA", "vector", "c64 gw8 e8")]
+DELTA_ROWS = [("DeltaNet, H16", "deltanet_h16_d128_4k"),
+              ("Gated DeltaNet, H16", "gated_deltanet_h16_d128_4k"),
+              ("Gated DeltaNet, H32 (Qwen3-Next)", "gated_deltanet_qwen3_next_h32_d128_4k"),
+              ("KDA, H16", "kda_h16_d128_4k")]
 
 
 def delta_rule(folders) -> list[str]:
-  """Issue 39's delta rule against fla, from the newest `delta_rule_kernels.json`
-  (per-kernel device times, not the harness's schema): `before (...)` holds our
-  earlier runs per `<kind>_ours` and fla's per `<kind>_fla` (a string where fla
-  refused), `after (...)` ours per kind, runs named `new <mode> <config>`."""
-  paths = sorted(glob.glob(os.path.join(RESULTS, "*_*", "delta_rule_kernels.json")), reverse=True)
-  if not paths:
-    raise LookupError("no delta_rule_kernels.json")
-  with open(paths[0]) as f:
-    doc = json.load(f)
-  before, after = (next(k for k in doc if k.startswith(w)) for w in ("before", "after"))
-  inside = lambda key: re.search(r"\((.*)\)", key)[1]
-  rows, over, refused, fastest = [], {m: [] for m in MODES}, {}, []
-  for label, kind, config in DELTA_KINDS:
-    fla = doc[before][f"{kind}_fla"]
-    cells = [f"{label} ({kind})", config.split()[0][1:]]
-    for m in MODES:
-      ours = doc[after][kind][f"new {m} {config}"]["ms"]
-      if isinstance(fla[f"fla {m}"], dict):
-        theirs = fla[f"fla {m}"]["ms"]
-        over[m].append((theirs / ours, label))
-        cells += [f"{ours:#.3g}", f"{theirs:#.3g}", f"{theirs / ours:.2f}"]
-      else:  # fla's error
-        refused.setdefault(fla[f"fla {m}"].split(". ")[0], []).append(label)
-        cells += [f"{ours:#.3g}", "refuses", "–"]
-    cells.append(" / ".join(f"{doc[before][f'{kind}_ours'][f'ours {m} state_dv64']['ms']:#.3g}"
-                            for m in MODES))
+  """Issue 39's table: ours (the Mosaic GPU forward where it runs) against
+  fla's chunk kernels and our Triton passes, forward and f+b."""
+  src = Source(folders, [(case, "ours", "fwd", ("kernel",)) for _, case in DELTA_ROWS])
+  fails, rows, over = Failures(), [], {mode: [] for mode in MODES}
+  for label, case in DELTA_ROWS:
+    cells = [label]
+    for mode in MODES:
+      mine = src.row(case, "ours", mode)
+      if mine is None or mine["time_ms"] is None:
+        cells += [fails.cell(src, case, "ours", mode), "–", "–"]
+        continue
+      cells.append(f"{mine['time_ms']:#.3g}")
+      for peer in ("fla", "ours_triton"):
+        found = src.ratio((case, peer, mode), (case, "ours", mode))
+        if found and peer == "fla":
+          over[mode].append((found[0], label))
+        cells.append(ratio_cell(found) if found else fails.cell(src, case, peer, mode))
     rows.append(cells)
-    best, name = min((r["ms"], n) for n, r in doc[after][kind].items() if " fwd " in n)
-    if not name.endswith(config):  # a faster forward than the default's
-      fastest.append(f"{label} {fla['fla fwd']['ms'] / best:.2f} at `{name.split(' ', 2)[2]}`")
-  header = ["kind", "chunk", "ours fwd", "fla fwd", "fla/ours fwd", "ours f+b", "fla f+b",
-            "fla/ours f+b", "before: fwd / f+b"]
-  old = os.path.join(os.path.dirname(paths[0]), "delta_rule.json")
-  lines = [doc["what"][:1].upper() + doc["what"][1:] + ". \"Ours\": the shipped defaults "
-           f"(`c<chunk> gw<gradient warps> e<elimination block>`) after {inside(after)}; "
-           f"\"before\": {inside(before)}. File: `{os.path.relpath(paths[0], RESULTS)}`"
-           + (" (`delta_rule.json` beside it is of the code before)." if os.path.exists(old)
-              else "."), "", *table(header, rows), ""]
-  for m in MODES:
-    lines.append(f"- {MODES[m].capitalize()} >= 1.2x fla"
-                 + (" where fla's backward runs" if m == "fwd_bwd" else "") + ": "
-                 + ", ".join(f"{label} {x:.2f}" for x, label in over[m])
-                 + (f" (fastest forward: {', '.join(fastest)})" if m == "fwd" and fastest else "")
-                 + "".join(f"; fla refuses {' and '.join(who)}'s: \"{why}\""
-                           for why, who in refused.items() if m == "fwd_bwd")
-                 + f": {met(min(x for x, _ in over[m]) >= 1.2)}.")
+  header = ["row", "ours fwd ms", "fla / ours", "Triton / ours", "ours f+b ms",
+            "fla / ours f+b", "Triton / ours f+b"]
+  lines = [f"Kernel time per call, the median of alternating rounds; B4 S4096 d128 bf16. "
+           f"{src.caption()}", "", *table(header, rows), *fails.lines(), ""]
+  for mode in MODES:
+    found = over[mode]
+    lines.append(f"- {MODES[mode].capitalize()} >= 1.2x fla"
+                 + (" where fla's backward runs" if mode == "fwd_bwd" else "") + ": "
+                 + ", ".join(f"{label} {x:.2f}" for x, label in found)
+                 + f": {met(bool(found) and min(x for x, _ in found) >= 1.2)}.")
   return lines
 
 
