@@ -29,6 +29,9 @@ def check_qkv(q, k, v, *, k_name: str = "k", v_name: str = "v",
       raise ValueError(f"{name} must be {layout}; got shape {getattr(x, 'shape', None)}")
     if x.dtype not in SUPPORTED_DTYPES and not (fp8_cache and i and is_fp8(x)):
       fp8 = " (and float8_e4m3fn / float8_e5m2 for a decoding cache)" if fp8_cache else ""
+      if is_fp8(x) and not fp8_cache:
+        fp8 = (". fp8 runs only as a decoding cache (decode_attention / paged_attention with "
+               "k_descale / v_descale); dequantize it here: x.astype(jnp.bfloat16) * descale")
       raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, "
                       f"float16{fp8}")
   if is_fp8(k) or is_fp8(v):
