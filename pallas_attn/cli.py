@@ -26,7 +26,7 @@ from pallas_attn.schedule import template as template_lib
 from pallas_attn.schedule.search_space import format_config, search_space
 from pallas_attn.schedule.template import ProblemShape
 from pallas_attn.tuning import (ATTENTION_TEMPLATES, LINEAR_DECAYS, LINEAR_MODES,
-                                tune_attention, tune_linear_attention)
+                                linear_decay_shape, tune_attention, tune_linear_attention)
 
 DTYPES = ("bfloat16", "float16", "float32")
 _FILE_NAMES = ("score_mod", "mask_mod", "rownorm")
@@ -256,13 +256,11 @@ def cmd_explain_linear(args) -> int:
   import jax.numpy as jnp
   from pallas_attn.linear import linear_attention_lowering
   shape = _shape(args)
-  batch, seq, heads, d_k = shape.q_shape
+  batch, seq, heads, _ = shape.q_shape
   dtype = jnp.dtype(args.dtype)
   q, v = jnp.zeros(shape.q_shape, dtype), jnp.zeros(shape.v_shape, dtype)
-  log_decay = {"none": None, "head": (heads,), "step": (batch, seq, heads),
-               "feature": (batch, seq, heads, d_k)}[args.decay]
-  if log_decay is not None:
-    log_decay = jnp.zeros(log_decay, jnp.float32)
+  gate_shape = linear_decay_shape(args.decay, shape.q_shape)
+  log_decay = None if gate_shape is None else jnp.zeros(gate_shape, jnp.float32)
   beta = jnp.zeros((batch, seq, heads), dtype) if args.delta else None
   lowering = linear_attention_lowering(q, q, v, log_decay=log_decay, beta=beta,
                                        normalize=args.normalize)

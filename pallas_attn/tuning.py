@@ -117,19 +117,25 @@ LINEAR_DECAYS = ("none", "head", "step", "feature")  # log_decay's forms, as the
 LINEAR_MODES = ("fwd", "fwd_bwd")
 
 
-def _linear_inputs(q_shape, v_shape, decay: str, delta: bool, dtype, seed: int):
-  """Random (q, k, v, log_decay, beta, d_out) as models feed them: unit-norm
-  q, k for the delta rule, gates of log(sigmoid) with most steps near 1."""
+def linear_decay_shape(decay: str, q_shape) -> tuple | None:
+  """log_decay's shape for a decay form (LINEAR_DECAYS) and q's [B, S, H, Dk]."""
   if decay not in LINEAR_DECAYS:
     raise ValueError(f"decay must be one of {LINEAR_DECAYS}; got {decay!r}")
   batch, seq, heads, d_k = q_shape
+  return {"none": None, "head": (heads,), "step": (batch, seq, heads),
+          "feature": (batch, seq, heads, d_k)}[decay]
+
+
+def _linear_inputs(q_shape, v_shape, decay: str, delta: bool, dtype, seed: int):
+  """Random (q, k, v, log_decay, beta, d_out) as models feed them: unit-norm
+  q, k for the delta rule, gates of log(sigmoid) with most steps near 1."""
+  gate_shape = linear_decay_shape(decay, q_shape)
+  batch, seq, heads, _ = q_shape
   keys = jax.random.split(jax.random.key(seed), 6)
   q, k = (jax.random.normal(key, q_shape, jnp.float32) for key in keys[:2])
   if delta:
     q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
   v = jax.random.normal(keys[2], v_shape, jnp.float32)
-  gate_shape = {"none": None, "head": (heads,), "step": (batch, seq, heads),
-                "feature": (batch, seq, heads, d_k)}[decay]
   log_decay = None if gate_shape is None else jax.nn.log_sigmoid(
       4.0 + jax.random.normal(keys[3], gate_shape, jnp.float32))
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, seq, heads))).astype(dtype) \
