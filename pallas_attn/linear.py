@@ -176,7 +176,7 @@ def _choose_lowering(implementation: str | None, spec: spec_lib.LinearAttentionS
     return lowering_lib.Lowering(lowering_lib.TRITON, asked, lowering_lib.TRITON, asked)
   delta = spec.state_update == spec_lib.UPDATE_DELTA
   why = mosaic_forward.obstacle(  # the delta rule's Mosaic forward takes its own chunks
-      decay_kind=_kernel_decay_kind(spec.decay_kind), delta=delta, dtype=spec.dtype,
+      decay_kind=_kernel_decay_kind(spec.decay_kind), dtype=spec.dtype,
       out_dtype=_out_dtype(spec), d_feature=d_feature, d_values=d_values,
       chunk_size=mosaic_forward.CHUNK if delta else chunk)
   if why is None and interpret:

@@ -137,11 +137,10 @@ def test_choice_and_fallbacks():
     linear_attention(q, k, v, log_decay=log_decay, implementation="mosaic_gpu")
   with pytest.raises(ValueError, match="implementation must be"):
     linear_attention(q, k, v, implementation="cuda")
-  common = dict(delta=False, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, d_feature=128,
+  common = dict(dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, d_feature=128,
                 d_values=128, chunk_size=64)
   if mosaic_forward.obstacle(decay_kind="scalar", **common) is None:  # a Hopper GPU
     assert mosaic_forward.obstacle(decay_kind="vector", **common) is None
-    assert mosaic_forward.obstacle(decay_kind="vector", **{**common, "delta": True}) is None
     assert "bfloat16's exponent range" in mosaic_forward.obstacle(
         decay_kind="vector", **{**common, "dtype": jnp.float16})
     assert "float32" in mosaic_forward.obstacle(

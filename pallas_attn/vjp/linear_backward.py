@@ -38,7 +38,6 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import backend
 from pallas_attn.kernels.linear import mosaic_forward
-from pallas_attn.vjp import linear_mosaic_backward
 from pallas_attn.kernels.linear.chunked_forward import (
     LOG_DECAY_FLOOR, SUB_BLOCK, ChunkedSchedule, LinearTemplate, causal_from,
     chunk_inputs, chunk_state_spec, chunked_forward, cumulative_log_decay,
@@ -46,6 +45,7 @@ from pallas_attn.kernels.linear.chunked_forward import (
     row_block_offset, row_spec, scale_rows, sequence_spec, state_pass)
 from pallas_attn.schedule.config import padded_head_dim
 from pallas_attn.schedule.template import ResourceUse, accumulator_registers, register
+from pallas_attn.vjp import linear_mosaic_backward
 
 
 def _dense_chunk_grads(refs, *, chunk, scale, mm):
@@ -212,9 +212,8 @@ def _forward(q, k, v, log_decay_cum, initial_state, schedule: ChunkedSchedule, *
                                   decay_kind=schedule.decay_kind, scale=schedule.scale,
                                   store_states=keep_states, stages=schedule.num_stages)
 
-  if schedule.decay_kind != "vector":
-    return mosaic()
-  return lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic, triton)
+  return mosaic_forward.unless_gates_out_of_range(schedule.decay_kind, log_decay_cum, mosaic,
+                                                  triton)
 
 
 def _forward_with_residuals(q, k, v, log_decay, initial_state, schedule):
@@ -235,11 +234,9 @@ def _backward(schedule, residuals, cotangents):
       scale=schedule.scale, stages=schedule.num_stages)
   if schedule.backward_lowering != "mosaic_gpu":
     dq, dk, dv, d_initial = triton()
-  elif schedule.decay_kind == "vector":  # as the forward: the anchored factors' range
-    dq, dk, dv, d_initial = lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic,
-                                     triton)
-  else:
-    dq, dk, dv, d_initial = mosaic()
+  else:  # as the forward: the anchored factors' range
+    dq, dk, dv, d_initial = mosaic_forward.unless_gates_out_of_range(
+        schedule.decay_kind, log_decay_cum, mosaic, triton)
   d_log_decay = None
   if log_decay is not None:  # no gradient through the prefix pass' clamp
     d_log_decay = jnp.where(

@@ -211,11 +211,9 @@ def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
         pseudo_keys=pseudo_keys)
     return o, final_state
 
-  if schedule.decay_kind == "vector":  # KDA: the anchored factors' range, as for GLA
-    triton = lambda: delta_rule_forward(q, k, v, beta, log_decay, initial_state, schedule)[:2]
-    o, final_state = lax.cond(mosaic_forward.gates_in_range(log_decay_cum), mosaic, triton)
-  else:
-    o, final_state = mosaic()
+  triton = lambda: delta_rule_forward(q, k, v, beta, log_decay, initial_state, schedule)[:2]
+  o, final_state = mosaic_forward.unless_gates_out_of_range(  # KDA: as for GLA
+      schedule.decay_kind, log_decay_cum, mosaic, triton)
   return o[:, :seq_len], final_state
 
 

@@ -58,7 +58,7 @@ _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
 
 
-def obstacle(*, decay_kind: str, delta: bool, dtype, out_dtype, d_feature: int, d_values: int,
+def obstacle(*, decay_kind: str, dtype, out_dtype, d_feature: int, d_values: int,
              chunk_size: int) -> str | None:
   """Why this kernel cannot run a call, or None (sizes padded as the
   kernels see them)."""
@@ -89,6 +89,14 @@ def gates_in_range(log_decay_cum) -> jax.Array:
   g = log_decay_cum.reshape(batch, seq_len // CHUNK, CHUNK, heads, width)
   span = jnp.maximum(g[:, :, 0] - g[:, :, ANCHOR], g[:, :, ANCHOR] - g[:, :, -1])
   return jnp.max(span) <= SPAN_LIMIT
+
+
+def unless_gates_out_of_range(decay_kind: str, log_decay_cum, mosaic, fallback):
+  """`mosaic()`, or for per-feature gates a run-time choice: `mosaic()` where
+  `gates_in_range` holds, else `fallback()` (the Triton passes)."""
+  if decay_kind != "vector":
+    return mosaic()
+  return lax.cond(gates_in_range(log_decay_cum), mosaic, fallback)
 
 
 def too_few_programs(num_programs: int, sm_count: int | None) -> str | None:
