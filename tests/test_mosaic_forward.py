@@ -37,6 +37,9 @@ def _variant(name, seq_q, seq_kv):
     kw = variants.sigmoid(seq_kv=seq_kv).kwargs()
   elif name == "sinks":
     kw = variants.sink(random((HQ,), seed=9)).kwargs()
+  elif name == "batch_head_softcap":  # a [B, H] capture: read once per program
+    cap = 20.0 + 10.0 * jnp.abs(random((B, HQ), seed=11))
+    kw = dict(score_mod=lambda s, b, h, qi, ki: cap[b, h] * jnp.tanh(s / cap[b, h]))
   elif name == "key_bias":  # a [B, Skv] captured array
     bias = random((B, seq_kv), seed=5)
     kw = dict(score_mod=lambda s, b, h, qi, ki: s + bias[b, ki])
@@ -59,7 +62,7 @@ def _variant(name, seq_q, seq_kv):
 
 
 VARIANTS = ["vanilla", "causal", "softcap", "alibi", "alibi_sigmoid", "window", "documents", "sigmoid", "sinks",
-            "key_bias", "row_bias", "rel_table", "t5", "tile_bias"]
+            "batch_head_softcap", "key_bias", "row_bias", "rel_table", "t5", "tile_bias"]
 
 
 @pytest.mark.hopper

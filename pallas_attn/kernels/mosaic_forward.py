@@ -104,7 +104,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
     mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
     tile = dataclasses.replace(plan.tile, fast_math=False,
-                               loader=mb.capture_loader(b, h, "q", q_start, rows))
+                               loader=mb.capture_loader(b, h, "q", q_start, rows)
+                               ).with_program_loads(cap_refs)
     online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
     fold = plan.folds_log2 and plan.scale > 0
     separable = plan.analysis.separable_bias

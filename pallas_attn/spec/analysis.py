@@ -108,7 +108,9 @@ class VariantAnalysis:
         blocking = ", ".join(
             {"q": "block_q rows", "kv": "block_k keys"}.get(a, "one element")
             if isinstance(a, str) else f"fixed {a}" for a in use.axes) or "scalar"
-        lines.append(f"  reads {use.describe(shape)}: loads {blocking} per tile")
+        where = ("per program (Mosaic GPU) or per tile (Triton)"
+                 if not {"q", "kv"} & set(use.axes) else "per tile")
+        lines.append(f"  reads {use.describe(shape)}: loads {blocking} {where}")
     if self.mask_mod is not None:
       broadcast = [n for n in ("b", "h") if n not in self.mask_deps]
       lines.append("block sparsity: tiles classified from mask_mod (what the build costs: the 'block mask' line of pallas-attn explain)"

@@ -131,7 +131,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, SUB), h], q_tile, q_ready.at[wg])
     mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
-    tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB))
+    tile = dataclasses.replace(plan.tile, loader=mb.capture_loader(b, h, "q", q_start, SUB)
+                               ).with_program_loads(cap_refs)
     q_idx = mb.tile_indices(q_start, (SUB, step_keys), 0)
     fold_bias, log2_scale = plan.folds_separable_bias, plan.scale * LOG2E
     if plan.analysis.separable_bias:
@@ -261,8 +262,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
     mb.plgpu.barrier_wait(v_ready.at[wg])
 
     def head(h, acc, step):
-      tile = dataclasses.replace(plan.kv_tile,
-                                 loader=mb.capture_loader(b, h, "kv", kv_start, SUB))
+      tile = dataclasses.replace(plan.kv_tile, loader=mb.capture_loader(b, h, "kv", kv_start, SUB)
+                                 ).with_program_loads(cap_refs)
       if plan.analysis.separable_bias:
         bias_rows = mb.separable_rows(tile, b, h, cap_refs, "kv", kv_start, SUB)
       if fold_bias:  # the keys' part of the bias, in log2 units; the queries' joins lse2
