@@ -38,11 +38,6 @@ from pallas_attn.kernels.linear.delta_rule import (
     chunk_spec, delta_rule_forward, delta_rule_forward_mosaic, per_feature_pairs,
     strictly_lower, wy_transform)
 
-# The gradient kernel holds a chunk's state and its cotangent ([Dk, Dv]
-# each) beside a dozen [C, D] float32 tiles: 8 warps spread them.
-GRADIENT_WARPS = 8
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
                        schedule: ChunkedSchedule):
@@ -228,7 +223,7 @@ def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
   dq, dk, dv, d_beta, *d_g = backend.pallas_call(
       kernel, out_shape=out_shape, grid=(seq_len // chunk, batch, heads),
       in_specs=in_specs, out_specs=out_specs,
-      num_warps=max(schedule.num_warps, GRADIENT_WARPS), num_stages=1,
+      num_warps=schedule.num_warps, num_stages=1,
       interpret=schedule.interpret,
       name=f"delta_rule_bwd_{schedule.decay_kind}")(*inputs)
   d_log_decay = None

@@ -224,12 +224,14 @@ class DeltaRuleTemplate(LinearForwardTemplate):
   A chunk's T costs elimination steps over [C, C], and the gradient kernel
   products with the whole state per chunk. On an H200 (2026-11-26, B4
   S4096 H16 Dk = Dv = 128, bf16, kernel time) 32-token chunks beat 64 for
-  DeltaNet (forward 0.48 against 0.55 ms, forward+backward 2.4 against 4.8)
+  DeltaNet (forward 0.48 against 0.55 ms, forward+backward 2.2 against 2.6)
   and Gated DeltaNet (0.51 / 0.59, 3.5 / 5.4). KDA's per-feature decays
-  pair rows around anchor rows on the tensor cores (`per_feature_pairs`);
-  there too 32 wins (forward 1.11 against 1.49 ms, forward+backward 14.1
-  ms), and 64's gradient kernel asks for 288 KiB of shared memory at d 128,
-  more than a Hopper SM has.
+  pair rows around anchor rows on the tensor cores (`per_feature_pairs`):
+  its gradient kernel, the slowest pass, runs best on 16-token chunks
+  (forward+backward 7.5 ms against 10.2 at 32 and 4 warps; at 8 warps 7.9
+  and 13.8), and 64's asks for 288 KiB of shared memory at d 128, more
+  than a Hopper SM has. The gradient kernel takes the config's 4 warps
+  (8 or 16 spill: DeltaNet 2.24 / 6.6 ms against 2.19).
   """
 
   def __init__(self, name: str, chunk_size: int):
@@ -245,4 +247,4 @@ class DeltaRuleTemplate(LinearForwardTemplate):
 
 TEMPLATE = register(DeltaRuleTemplate("delta_rule_forward", 32))
 PER_FEATURE_TEMPLATE = register(
-    DeltaRuleTemplate("delta_rule_forward_per_feature_decay", 32))
+    DeltaRuleTemplate("delta_rule_forward_per_feature_decay", 16))
