@@ -289,8 +289,10 @@ def test_random_shapes_property(batch, seq_q, seq_kv, kv_heads, group, d_qk, d_v
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("mask_mod", [None, CAUSAL], ids=["dense", "causal"])
-def test_float32_head_128_with_default_tiles(mask_mod, interpret):
-  """The default tiles of float32 d=128 fit shared memory (compiled) and are exact."""
-  q, k, v = qkv(batch=1, seq_q=70, seq_kv=90, heads=2, kv_heads=1, d_qk=128, d_v=128)
+@pytest.mark.parametrize("d_qk", [128, 192])
+def test_float32_default_tiles(d_qk, mask_mod, interpret):
+  """The default tiles of float32 heads (16-row backward tiles past 128)
+  fit shared memory (compiled) and are exact."""
+  q, k, v = qkv(batch=1, seq_q=70, seq_kv=90, heads=2, kv_heads=1, d_qk=d_qk, d_v=128)
   check_gradients(q, k, v, interpret=interpret, config=None, bwd_config=None,
                   make_kwargs=lambda c: dict(mask_mod=mask_mod))

@@ -36,7 +36,14 @@ from pallas_attn.kernels.linear.chunked_forward import (
     scale_rows, state_pass)
 from pallas_attn.kernels.linear.delta_rule import (
     chunk_spec, delta_rule_forward, delta_rule_forward_mosaic, per_feature_pairs,
-    strictly_lower, wy_transform)
+    strictly_lower)
+
+# Warps of the gradient kernel per decay kind. It holds a chunk's state and
+# its cotangent ([Dk, Dv] each) beside a dozen [C, D] float32 tiles; on an
+# H200 (B4 S4096 H16 d128 bf16, forward+backward kernel time) 4 warps ran
+# DeltaNet in 2.19 ms (8: 2.24) and KDA in 7.5 (8: 7.9), but Gated
+# DeltaNet's kernel took 14.5 ms on 4 warps against 2.4 on 8.
+GRADIENT_WARPS = {"none": 4, "scalar": 8, "vector": 4}
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
@@ -47,16 +54,16 @@ def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
   state float32)."""
   if schedule.lowering == "mosaic_gpu":
     return delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state, schedule)
-  o, final_state, _, _ = delta_rule_forward(
+  o, final_state, *_ = delta_rule_forward(
       q, k, v, beta, log_decay, initial_state, schedule)
   return o, final_state
 
 
 def _forward_with_residuals(q, k, v, beta, log_decay, initial_state,
                             schedule):
-  o, final_state, chunk_states, pseudo_keys = delta_rule_forward(
-      q, k, v, beta, log_decay, initial_state, schedule)
-  residuals = (q, k, v, beta, log_decay, chunk_states, pseudo_keys)
+  o, final_state, chunk_states, pseudo_keys, transforms = delta_rule_forward(
+      q, k, v, beta, log_decay, initial_state, schedule, keep_transforms=True)
+  residuals = (q, k, v, beta, log_decay, chunk_states, pseudo_keys, transforms)
   return (o, final_state), residuals
 
 
@@ -136,9 +143,10 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   """Gradients of one chunk of one head: products with operands in the
   inputs' dtype (as the forward's), accumulated and combined in float32.
 
-  Recomputes the chunk's T, W and values U = U~ - W S0 from its entering
-  state, then runs the forward's products backwards: dU = scale P^T dO +
-  K' dS; through U = T (beta V) - T (beta K 2^g) S0 to dV, dbeta, dK and dT;
+  Takes the chunk's T from the forward (its UT transform's, in the inputs'
+  dtype: recomputing it cost KDA's kernel 1.8 of 5.9 ms on an H200),
+  recomputes W and the values U = U~ - W S0 from the entering state, then
+  runs the forward's products backwards: dU = scale P^T dO + K' dS; through U = T (beta V) - T (beta K 2^g) S0 to dV, dbeta, dK and dT;
   dL = -T^T dT T^T on the strictly lower part; through L = beta (K K^T *
   decay) to dbeta and dK. dG, the gradient of the chunk-cumulative log
   decay, sums x * dx over every factor 2^(+-g) met (row sides +, column
@@ -147,7 +155,7 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   """
   q_ref, k_ref, v_ref, beta_ref, *refs = refs
   g_ref = refs.pop(0) if decay_kind != "none" else None
-  (state_ref, d_state_ref, do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref,
+  (transform_ref, state_ref, d_state_ref, do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref,
    *dg_ref) = refs
   dtype = q_ref.dtype
   mm = lambda a, b, **kw: backend.dot(  # operands in the inputs' dtype
@@ -161,7 +169,7 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   pairs = functools.partial(_decayed_pairs, k_ref=k_ref, g_ref=g_ref,
                             decay=decay, vector=vector, mm=mm)
   key_products, _, _ = pairs(k)
-  transform = wy_transform(key_products, beta, fp32_exact=fp32_exact)
+  transform = transform_ref[...]
   keys_decayed = scale_rows(k, g)
   keys_to_end = scale_rows(k, g_to_end)
   values = mm(transform, beta * v) - mm(
@@ -201,18 +209,19 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   dg_ref[0][...] = d_g + jnp.where(last, d_g_last, 0.0)
 
 
-def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
+def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, transforms, chunk_states,
                  d_leaving, d_out, schedule: ChunkedSchedule):
   """(dq, dk, dv, dbeta, d log_decay) from one `_gradient_kernel` program
-  per chunk and head; d_leaving [B, H, N, Dk, Dv]."""
+  per chunk and head; transforms [B, S, H, C] (the forward's T), d_leaving
+  [B, H, N, Dk, Dv]."""
   batch, seq_len, heads, d_feature = q.shape
   d_v, chunk = v.shape[-1], schedule.chunk_size
   in_specs, inputs = _chunk_inputs((q, k, v, beta, log_decay_cum), chunk)
   out_specs = list(in_specs)
   state = pl.BlockSpec((None, None, None, d_feature, d_v),
                        lambda c, b, h: (b, h, c, 0, 0))
-  in_specs += [state, state, chunk_spec(chunk, d_v)]
-  inputs += [chunk_states, d_leaving, d_out]
+  in_specs += [chunk_spec(chunk, chunk), state, state, chunk_spec(chunk, d_v)]
+  inputs += [transforms, chunk_states, d_leaving, d_out]
   # Gradients of q, k, v, beta (and of the cumulative log decay G).
   out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
                for x in inputs[:len(out_specs)]]
@@ -223,7 +232,7 @@ def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
   dq, dk, dv, d_beta, *d_g = backend.pallas_call(
       kernel, out_shape=out_shape, grid=(seq_len // chunk, batch, heads),
       in_specs=in_specs, out_specs=out_specs,
-      num_warps=schedule.num_warps, num_stages=1,
+      num_warps=GRADIENT_WARPS[schedule.decay_kind], num_stages=1,
       interpret=schedule.interpret,
       name=f"delta_rule_bwd_{schedule.decay_kind}")(*inputs)
   d_log_decay = None
@@ -236,12 +245,12 @@ def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
 
 
 def _backward(schedule, residuals, cotangents):
-  q, k, v, beta, log_decay, chunk_states, pseudo_keys = residuals
+  q, k, v, beta, log_decay, chunk_states, pseudo_keys, transforms = residuals
   d_out, d_final = cotangents
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
   d_leaving, d_initial = _leaving_state_cotangents(
       q, k, log_decay_cum, pseudo_keys, d_out, d_final, schedule)
-  grads = _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, chunk_states,
+  grads = _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, transforms, chunk_states,
                        d_leaving, d_out, schedule)
   primals = (q, k, v, beta, log_decay)
   return tuple(None if x is None else d.reshape(x.shape).astype(x.dtype)

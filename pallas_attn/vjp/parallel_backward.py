@@ -134,9 +134,14 @@ def heuristic_backward_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int,
   with 32x64 (H100, benchmarks/results/2026-11-23_h100/sweep_backward_wide.json).
   float32 inputs take 32x32 tiles, as the forward's (`heuristic_config`):
   64x64 asked for 256 KiB of shared memory at d 128 with TF32x3 products.
+  Wider float32 heads take 16x32: Dqk 192 / Dv 128 causal ALiBi, B4 H16
+  S4096, forward+backward on an H200 ran 122 ms and compiled in 4.3 s,
+  against 809 ms and 9.2 s on 32x32 (32x16: 886 ms, 8.0 s; one stage
+  changed neither).
   """
   if itemsize > 2:
-    cfg = AttentionConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)
+    wide = max(padded_head_dim(d_qk), padded_head_dim(d_v)) > 128
+    cfg = AttentionConfig(block_q=16 if wide else 32, block_k=32, num_warps=4, num_stages=2)
   elif max(d_qk, d_v) <= 128:
     cfg = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
   else:

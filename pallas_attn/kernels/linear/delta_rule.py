@@ -125,10 +125,10 @@ def chunk_spec(chunk: int, width: int | None = None):
 
 def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
                          fp32_exact: bool):
-  """W and U~ of one chunk of one head."""
+  """W and U~ of one chunk of one head (and its T, given a third output)."""
   k_ref, v_ref, beta_ref, *refs = refs
   g_ref = refs.pop(0) if decay_kind != "none" else None
-  w_ref, u_ref = refs
+  w_ref, u_ref, *t_ref = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
   k, dtype = k_ref[...], k_ref.dtype
   beta = beta_ref[...].astype(jnp.float32)[:, None]
@@ -139,16 +139,21 @@ def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
     decay, g, _ = dense_decay(g_ref, chunk)
     products = mm(k, k, trans_b=True) * decay
   transform = wy_transform(products, beta, fp32_exact=fp32_exact).astype(dtype)
+  if t_ref:
+    t_ref[0][...] = transform
   keys = beta * scale_rows(k.astype(jnp.float32), g)
   w_ref[...] = mm(transform, keys.astype(dtype)).astype(w_ref.dtype)
   values = beta * v_ref[...].astype(jnp.float32)
   u_ref[...] = mm(transform, values.astype(dtype)).astype(u_ref.dtype)
 
 
-def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule):
+def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule, *,
+                 keep_transforms: bool = False):
   """(W [B, S, H, Dk] in k's dtype, U~ [B, S, H, Dv] in v's dtype) of every
-  chunk. k: [B, S, H, Dk]; v: [B, S, H, Dv]; beta: [B, S, H];
-  log_decay_cum: None, [B, S, H] or [B, S, H, Dk] (base 2, cumulative)."""
+  chunk, and with `keep_transforms` each chunk's T as rows [B, S, H, C] in
+  k's dtype (the precision its products take). k: [B, S, H, Dk]; v: [B, S,
+  H, Dv]; beta: [B, S, H]; log_decay_cum: None, [B, S, H] or [B, S, H, Dk]
+  (base 2, cumulative)."""
   batch, seq_len, heads, d_feature = k.shape
   chunk = schedule.chunk_size
   rows = functools.partial(chunk_spec, chunk)
@@ -160,30 +165,35 @@ def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule):
   kernel = functools.partial(
       _ut_transform_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
       fp32_exact=k.dtype == jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_specs = [rows(d_feature), rows(v.shape[-1])]
+  if keep_transforms:
+    out_shape.append(jax.ShapeDtypeStruct((batch, seq_len, heads, chunk), k.dtype))
+    out_specs.append(rows(chunk))
   return backend.pallas_call(
-      kernel, out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                         jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      kernel, out_shape=out_shape,
       grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
-      out_specs=[rows(d_feature), rows(v.shape[-1])],
+      out_specs=out_specs,
       num_warps=schedule.num_warps, num_stages=1,
       interpret=schedule.interpret,
       name=f"delta_rule_ut_transform_{schedule.decay_kind}")(*inputs)
 
 
 def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
-                       schedule: ChunkedSchedule):
+                       schedule: ChunkedSchedule, *, keep_transforms: bool = False):
   """The delta rule on padded inputs (as `chunked_forward`; beta [B, S, H],
   log_decay the *step* log decays or None). Returns (o, final state
   [B, H, Dk, Dv] float32, and for the backward the states entering each
-  chunk [B, H, S / C, Dk, Dv] in k's dtype and W [B, S, H, Dk])."""
+  chunk [B, H, S / C, Dk, Dv] in k's dtype, W [B, S, H, Dk] and, with
+  `keep_transforms`, T [B, S, H, C] (else None))."""
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
-  pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum,
-                                            schedule)
+  pseudo_keys, pseudo_values, *transforms = ut_transform(
+      k, v, beta, log_decay_cum, schedule, keep_transforms=keep_transforms)
   chunk_states, final_state, values = state_pass(
       k, pseudo_values, log_decay_cum, initial_state, schedule,
       reverse=False, pseudo_keys=pseudo_keys)
   o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
-  return o, final_state, chunk_states, pseudo_keys
+  return o, final_state, chunk_states, pseudo_keys, (transforms or [None])[0]
 
 
 def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
@@ -230,8 +240,8 @@ class DeltaRuleTemplate(LinearForwardTemplate):
   its gradient kernel, the slowest pass, runs best on 16-token chunks
   (forward+backward 7.5 ms against 10.2 at 32 and 4 warps; at 8 warps 7.9
   and 13.8), and 64's asks for 288 KiB of shared memory at d 128, more
-  than a Hopper SM has. The gradient kernel takes the config's 4 warps
-  (8 or 16 spill: DeltaNet 2.24 / 6.6 ms against 2.19).
+  than a Hopper SM has. The gradient kernel's warps depend on the decay
+  kind (vjp/delta_rule_backward.py, `GRADIENT_WARPS`).
   """
 
   def __init__(self, name: str, chunk_size: int):
