@@ -30,7 +30,7 @@ from pallas_attn.kernels import backend
 from pallas_attn.schedule.config import next_power_of_2
 from pallas_attn.spec import blockeval, diagonal
 from pallas_attn.spec.analysis import VariantAnalysis
-from pallas_attn.spec.captures import GATHERED
+from pallas_attn.spec.captures import GATHERED, position_free
 from pallas_attn.spec.diagonal import DIAGONAL
 
 
@@ -64,11 +64,6 @@ class CaptureOperand:
   @property
   def is_term(self) -> bool:
     return bool(self.diagonals)
-
-  @property
-  def position_free(self) -> bool:
-    """Indexed by b, h and constants only: one value per program and head."""
-    return not (self.is_term or self.is_gather or {"q", "kv"} & set(self.axes))
 
   def bank_row(self, row_start, col_start):
     """The first row of the bank's tile whose rows start at query
@@ -356,7 +351,7 @@ class TileContext:
       return self
     loads = tuple((n, self.loader(ref, operand, None, None))
                   for n, (ref, operand) in enumerate(zip(refs, self.operands))
-                  if operand.position_free)
+                  if position_free(operand.axes))
     return dataclasses.replace(self, program_loads=loads)
 
   def _bank_tile(self, ref, operand, head, start, size):

@@ -17,7 +17,7 @@ import numpy as np
 
 from pallas_attn.spec import captures as captures_lib
 from pallas_attn.spec import primitives, separable
-from pallas_attn.spec.captures import GATHERED
+from pallas_attn.spec.captures import GATHERED, position_free
 from pallas_attn.spec.rownorm import RowNorm, analyze_rownorm
 from pallas_attn.spec.trace import eval_inlined
 from pallas_attn.spec.trace import VariantError, trace
@@ -109,7 +109,7 @@ class VariantAnalysis:
             {"q": "block_q rows", "kv": "block_k keys"}.get(a, "one element")
             if isinstance(a, str) else f"fixed {a}" for a in use.axes) or "scalar"
         where = ("per program (Mosaic GPU) or per tile (Triton)"
-                 if not {"q", "kv"} & set(use.axes) else "per tile")
+                 if position_free(use.axes) else "per tile")
         lines.append(f"  reads {use.describe(shape)}: loads {blocking} {where}")
     if self.mask_mod is not None:
       broadcast = [n for n in ("b", "h") if n not in self.mask_deps]

@@ -33,6 +33,14 @@ from pallas_attn.spec.trace import TracedFn, VariantError, is_literal, source_li
 
 INDEX_NAMES = ("b", "h", "q", "kv")
 GATHERED = "gathered"  # an axis read at a computed index
+
+
+def position_free(axes) -> bool:
+  """Whether a read with these axes is indexed by b, h and constants only
+  (no q / kv position, gather or term): one value per program and head."""
+  return not {"q", "kv", GATHERED, DIAGONAL} & set(axes)
+
+
 _DISPLAY = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx", GATHERED: "<computed>",
             DIAGONAL: "q_idx - kv_idx"}
 

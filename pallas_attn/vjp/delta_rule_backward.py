@@ -45,6 +45,7 @@ from pallas_attn.kernels.linear.delta_rule import (
 # DeltaNet's kernel took 14.5 ms on 4 warps against 2.4 on 8.
 GRADIENT_WARPS = {"none": 4, "scalar": 8, "vector": 4}
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def chunked_delta_rule(q, k, v, beta, log_decay, initial_state,
                        schedule: ChunkedSchedule):
@@ -146,7 +147,8 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   Takes the chunk's T from the forward (its UT transform's, in the inputs'
   dtype: recomputing it cost KDA's kernel 1.8 of 5.9 ms on an H200),
   recomputes W and the values U = U~ - W S0 from the entering state, then
-  runs the forward's products backwards: dU = scale P^T dO + K' dS; through U = T (beta V) - T (beta K 2^g) S0 to dV, dbeta, dK and dT;
+  runs the forward's products backwards: dU = scale P^T dO + K' dS;
+  through U = T (beta V) - T (beta K 2^g) S0 to dV, dbeta, dK and dT;
   dL = -T^T dT T^T on the strictly lower part; through L = beta (K K^T *
   decay) to dbeta and dK. dG, the gradient of the chunk-cumulative log
   decay, sums x * dx over every factor 2^(+-g) met (row sides +, column

@@ -187,13 +187,13 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
   chunk [B, H, S / C, Dk, Dv] in k's dtype, W [B, S, H, Dk] and, with
   `keep_transforms`, T [B, S, H, C] (else None))."""
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
-  pseudo_keys, pseudo_values, *transforms = ut_transform(
+  pseudo_keys, pseudo_values, *kept = ut_transform(
       k, v, beta, log_decay_cum, schedule, keep_transforms=keep_transforms)
   chunk_states, final_state, values = state_pass(
       k, pseudo_values, log_decay_cum, initial_state, schedule,
       reverse=False, pseudo_keys=pseudo_keys)
   o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
-  return o, final_state, chunk_states, pseudo_keys, (transforms or [None])[0]
+  return o, final_state, chunk_states, pseudo_keys, kept[0] if kept else None
 
 
 def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
