@@ -16,6 +16,7 @@ from pallas_attn.kernels.linear.reference import (
     chunked_delta_rule_jnp, delta_rule_reference)
 from pallas_attn.kernels.linear.triangular import invert_unit_lower
 from pallas_attn.linear import linear_attention, linear_attention_step
+from pallas_attn.vjp import delta_rule_backward
 
 # The module (the package re-exports a function of the same name).
 chunked_forward = importlib.import_module(
@@ -216,12 +217,18 @@ def test_bad_step_beta():
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("kind, chunk", [(kind, CHUNK) for kind in KINDS + ["per_head"]]
                          + [("scalar", 64), ("vector", 64),  # merges in T
-                            ("strong_vector", 32)])
-def test_gradients_match_scan(kind, chunk, interpret):
+                            ("strong_vector", 32), ("value_blocks", CHUNK),
+                            ("scalar_value_blocks", CHUNK)])
+def test_gradients_match_scan(kind, chunk, interpret, monkeypatch):
   """d/d(q, k, v, beta, log_decay, initial state) of a random functional of
   o and the final state, against jax.grad of the scan reference. Per-feature
   decays pair a chunk's rows on the tensor cores around anchor rows; strong
-  ones (spans past SPLIT_SPAN within a row block) elementwise."""
+  ones (spans past SPLIT_SPAN within a row block) elementwise. `value_blocks`:
+  the gradient kernel walks the state in 16-column blocks (two here)."""
+  if kind.endswith("value_blocks"):
+    kind = "scalar" if kind.startswith("scalar") else "vector"
+    monkeypatch.setitem(delta_rule_backward.GRADIENT_VALUE_BLOCK, kind, 16)
+    jax.clear_caches()  # no kernel traced with the default blocks
   seq_len = 24 if chunk == CHUNK else 80
   q, k, v, beta, log_decay = _inputs(
       {"per_head": "none", "strong_vector": "vector"}.get(kind, kind), seq_len=seq_len)

@@ -44,6 +44,11 @@ from pallas_attn.kernels.linear.delta_rule import (
 # DeltaNet in 2.19 ms (8: 2.24) and KDA in 7.5 (8: 7.9), but Gated
 # DeltaNet's kernel took 14.5 ms on 4 warps against 2.4 on 8.
 GRADIENT_WARPS = {"none": 4, "scalar": 8, "vector": 4}
+# Value columns per step of the gradient kernel's walk over the state (None:
+# all at once). KDA's 16-token chunks leave registers for a 64-column walk
+# (its kernel 4.34 -> 3.12 ms, H200, B4 S4096 H16 d128); DeltaNet's and
+# Gated DeltaNet's 32-token chunks spill on it (1.25 -> 9.6, 1.95 -> 12.5).
+GRADIENT_VALUE_BLOCK = {"none": None, "scalar": None, "vector": 64}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -140,7 +145,7 @@ def _leaving_state_cotangents(q, k, log_decay_cum, pseudo_keys, d_out,
 
 
 def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
-                     fp32_exact: bool):
+                     fp32_exact: bool, value_block: int):
   """Gradients of one chunk of one head: products with operands in the
   inputs' dtype (as the forward's), accumulated and combined in float32.
 
@@ -162,9 +167,17 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   dtype = q_ref.dtype
   mm = lambda a, b, **kw: backend.dot(  # operands in the inputs' dtype
       a.astype(dtype), b.astype(dtype), fp32_exact=fp32_exact, **kw)
-  q, k, v, do = (r[...].astype(jnp.float32)
-                 for r in (q_ref, k_ref, v_ref, do_ref))
-  state, d_state = state_ref[...], d_state_ref[...]  # operands only
+  q, k = (r[...].astype(jnp.float32) for r in (q_ref, k_ref))
+  d_v = dv_ref.shape[1]
+  blocks = [pl.ds(start, value_block) for start in range(0, d_v, value_block)]
+  one_block = len(blocks) == 1
+  columns = lambda cols: ... if one_block else (slice(None), cols)
+
+  def load(cols):  # v, dO, S0 and dS in these columns (S0, dS: operands only)
+    return (*(r[columns(cols)].astype(jnp.float32) for r in (v_ref, do_ref)),
+            state_ref[columns(cols)], d_state_ref[columns(cols)])
+
+  first = load(blocks[0]) if one_block else None
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   vector = decay_kind == "vector"
   decay, g, g_to_end = _chunk_decays(g_ref, vector, chunk)
@@ -174,35 +187,80 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
   transform = transform_ref[...]
   keys_decayed = scale_rows(k, g)
   keys_to_end = scale_rows(k, g_to_end)
-  values = mm(transform, beta * v) - mm(
-      mm(transform, beta * keys_decayed), state)
-  scores, _, _ = pairs(q)
-  d_values = scale * mm(scores.T, do) + mm(keys_to_end, d_state)
-  _, dq, dk_scores = pairs(q, d_pairs=scale * mm(do, values, trans_b=True))
-  dq += scale * scale_rows(mm(do, state, trans_b=True), g)
-  dk_state = scale_rows(mm(values, d_state, trans_b=True), g_to_end)
-  d_w = -mm(d_values, state, trans_b=True)
-  from_values = mm(transform.T, d_values)
-  from_w = mm(transform.T, d_w)
-  d_transform = (mm(d_values, beta * v, trans_b=True)
-                 + mm(d_w, beta * keys_decayed, trans_b=True))
+  # Every term of the walk below is linear in the state's value columns and
+  # sums over their blocks. Triton's code follows the order of the products
+  # (H200, B4 S4096 H16 d128, kernel ms): with one block each sum is used as
+  # soon as it is complete and the last columns' sums come at the end (Gated
+  # DeltaNet 1.95; other orders 2.0-2.09); walking several blocks, W and P
+  # come first and every use after the walk (KDA 3.1; uses inside the last
+  # step spilled: 4.9).
+  add = lambda total, x: x if total is None else total + x
+  w_keys = scores = d_scores = dq_state = dk_state = d_w = None
+  d_transform = dbeta = state_products = None
+  if not one_block:
+    w_keys = mm(transform, beta * keys_decayed)  # W
+    scores, _, _ = pairs(q)
+
+  def column_sums(cols, v, from_values):
+    """dv's columns and their terms of dbeta."""
+    nonlocal dbeta
+    dv_ref[columns(cols)] = (beta * from_values).astype(dv_ref.dtype)
+    dbeta = add(dbeta, jnp.sum(v * from_values, axis=1))
+
+  # rowsum(S0 * dS), for the chunk end's decay
+  state_terms = lambda state, d_state: jnp.sum(
+      state.astype(jnp.float32) * d_state.astype(jnp.float32), axis=1)
+
+  for cols in blocks:
+    v, do, state, d_state = first if one_block else load(cols)
+    u_tilde = mm(transform, beta * v)
+    if one_block:
+      w_keys = mm(transform, beta * keys_decayed)
+    values = u_tilde - mm(w_keys, state)
+    if one_block:
+      scores, _, _ = pairs(q)
+    d_values = scale * mm(scores.T, do) + mm(keys_to_end, d_state)
+    d_scores = add(d_scores, scale * mm(do, values, trans_b=True))
+    if one_block:
+      _, dq, dk_scores = pairs(q, d_pairs=d_scores)
+    dq_state = add(dq_state, mm(do, state, trans_b=True))
+    if one_block:
+      dq += scale * scale_rows(dq_state, g)
+    dk_state = add(dk_state, mm(values, d_state, trans_b=True))
+    if one_block:
+      dk_state = scale_rows(dk_state, g_to_end)
+    d_w = add(d_w, -mm(d_values, state, trans_b=True))
+    from_values = mm(transform.T, d_values)
+    if one_block:
+      from_w = mm(transform.T, d_w)
+    else:
+      column_sums(cols, v, from_values)
+    d_transform = add(d_transform, mm(d_values, beta * v, trans_b=True))
+    if g_ref is not None and not one_block:
+      state_products = add(state_products, state_terms(state, d_state))
+  if not one_block:
+    _, dq, dk_scores = pairs(q, d_pairs=d_scores)
+    dq += scale * scale_rows(dq_state, g)
+    dk_state = scale_rows(dk_state, g_to_end)
+    from_w = mm(transform.T, d_w)
+  d_transform += mm(d_w, beta * keys_decayed, trans_b=True)
   d_lower = jnp.where(strictly_lower(chunk), -mm(
       mm(transform.T, d_transform), transform, trans_b=True), 0.0)
   _, dk_rows, dk_cols = pairs(k, d_pairs=beta * d_lower)
   dk_w = beta * scale_rows(from_w, g)
   dq_ref[...] = dq
   dk_ref[...] = dk_scores + dk_state + dk_w + dk_rows + dk_cols
-  dv_ref[...] = (beta * from_values).astype(dv_ref.dtype)
-  dbeta_ref[...] = (jnp.sum(v * from_values, axis=1)
-                    + jnp.sum(keys_decayed * from_w, axis=1)
+  if one_block:
+    column_sums(blocks[0], v, from_values)
+  dbeta_ref[...] = (dbeta + jnp.sum(keys_decayed * from_w, axis=1)
                     + jnp.sum(d_lower * key_products, axis=1))
   if g_ref is None:
     return
   d_g = q * dq + k * (dk_rows - dk_cols + dk_w - dk_scores - dk_state)
   # The chunk end's decay: of every key (K') and of the entering state.
   d_g_last = (jnp.sum(k * dk_state, axis=0, keepdims=True)
-              + scale_rows(jnp.sum(state.astype(jnp.float32)
-                                   * d_state.astype(jnp.float32), axis=1)[None, :],
+              + scale_rows((state_products if not one_block else
+                            state_terms(state, d_state))[None, :],
                            g_ref[chunk - 1, :][None, :] if vector else
                            g_ref[chunk - 1]))
   if not vector:
@@ -228,9 +286,11 @@ def _chunk_grads(q, k, v, beta, log_decay, log_decay_cum, transforms, chunk_stat
   out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32)
                for x in inputs[:len(out_specs)]]
   out_shape[2] = jax.ShapeDtypeStruct(v.shape, v.dtype)
+  value_block = GRADIENT_VALUE_BLOCK[schedule.decay_kind]
   kernel = functools.partial(
       _gradient_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
-      scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
+      scale=schedule.scale, fp32_exact=q.dtype == jnp.float32,
+      value_block=value_block if value_block and d_v % value_block == 0 else d_v)
   dq, dk, dv, d_beta, *d_g = backend.pallas_call(
       kernel, out_shape=out_shape, grid=(seq_len // chunk, batch, heads),
       in_specs=in_specs, out_specs=out_specs,

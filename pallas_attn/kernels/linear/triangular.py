@@ -14,9 +14,11 @@ from jax import lax
 # Diagonal blocks inverted by elimination; larger blocks are merged by
 # products. Elimination of a whole 64-token chunk (63 elementwise steps)
 # took 0.90 ms of DeltaNet's 1.12 ms forward on an H200 (B4 S4096 H16
-# D128); 16-row blocks 0.35, 8-row ones 0.33 (at 32-token chunks 0.18 and
-# 0.17).
-ELIMINATION_BLOCK = 8
+# D128). The UT transform of 64-token chunks on an H200 (2026-11-26, same
+# shape, kernel ms, none / scalar / per-feature decay): 16-row blocks 0.28
+# / 0.30 / 0.60, 8-row 0.24 / 0.25 / 0.55, 4-row 0.21 / 0.22 / 0.51, 2-row
+# 0.21 / 0.22 / 0.76, 1-row (merges only) 0.23 / 0.24 / 1.10.
+ELIMINATION_BLOCK = 4
 
 
 def _highest_matmul(a, b):
