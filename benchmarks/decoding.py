@@ -181,6 +181,7 @@ def main(argv=None):
           row.extra["rel_err_f32"] = accuracy
     rows += r
     ratios += q
+    harness.checkpoint(args, "decoding", rows, ratios)
   kind = jax.devices()[0].device_kind.lower()
   peak = next((tb for part, tb in HBM_TB_S.items() if part in kind), None)
   harness.finish(args, "decoding", rows, ratios, notes=f"HBM peak {peak} TB/s" if peak else "")

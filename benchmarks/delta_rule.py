@@ -114,6 +114,7 @@ def main(argv=None):
                                    kernel_impls=KERNEL_TIMED)
       rows += r
       ratios += q
+      harness.checkpoint(args, "delta_rule", rows, ratios)
   harness.finish(args, "delta_rule", rows, ratios)
 
 

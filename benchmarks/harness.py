@@ -407,6 +407,14 @@ def results_path(args, benchmark: str, device_count: int = 1) -> str:
   return os.path.join(out, benchmark + (f"_{args.tag}" if args.tag else "") + ".json")
 
 
+def checkpoint(args, benchmark: str, rows: list[Row], ratios: list = (), *,
+               device_count: int = 1) -> None:
+  """Writes the results so far, marked partial, so that a run stopped by a
+  time limit keeps its finished cases; `finish` overwrites the file."""
+  bench.write_results(results_path(args, benchmark, device_count), benchmark, rows, ratios,
+                      notes="partial: the run stopped before its last case", small=args.small)
+
+
 def finish(args, benchmark: str, rows: list[Row], ratios: list = (), *, env: dict | None = None,
            notes: str = "", device_count: int = 1) -> str:
   """Writes the results file, then prints the ratios and a short table last."""

@@ -278,6 +278,7 @@ def main(argv=None):
       ratios += q
       if seq == max(seqs):
         rows.append(memory_row(name, shape, inputs))
+      harness.checkpoint(args, "linear", rows, ratios)
   harness.finish(args, "linear", rows, ratios)
 
 

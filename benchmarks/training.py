@@ -139,7 +139,8 @@ TUNE_CASES = tuple(f"{v}_{s}" + ("_d64" if d == 64 else "") for v in ("vanilla",
                                                                   "window256_4k")
 
 
-def run_suite(suite: Suite, args, budget) -> tuple[list[Row], list]:
+def run_suite(suite: Suite, args, budget, checkpoint=lambda rows, ratios: None
+              ) -> tuple[list[Row], list]:
   cases = [CASES[n] for n in suite.cases if not args.cases or n in args.cases]
   if args.small:
     cases = [bench.shrink(c) for c in cases]
@@ -152,6 +153,7 @@ def run_suite(suite: Suite, args, budget) -> tuple[list[Row], list]:
     r, q = harness.measure(group, impls, rounds=args.rounds, budget=budget, pairs=suite.pairs)
     rows += r
     ratios += q
+    checkpoint(rows, ratios)  # this suite's cases so far
   return rows, ratios
 
 
@@ -235,7 +237,9 @@ def main(argv=None):
     elif name == "tune":
       rows += tune_rows(args, budget, out)
     else:
-      suite_rows, suite_ratios = run_suite(SUITES[name], args, budget)
+      suite_rows, suite_ratios = run_suite(
+          SUITES[name], args, budget,
+          lambda r, q: harness.checkpoint(args, "training", rows + r, ratios + q))
       rows += suite_rows
       ratios += suite_ratios
   harness.finish(args, "training", rows, ratios)
