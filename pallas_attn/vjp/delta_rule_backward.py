@@ -177,7 +177,7 @@ def _gradient_kernel(*refs, decay_kind: str, chunk: int, scale: float,
     return (*(r[columns(cols)].astype(jnp.float32) for r in (v_ref, do_ref)),
             state_ref[columns(cols)], d_state_ref[columns(cols)])
 
-  first = load(blocks[0]) if one_block else None
+  first = load(blocks[0]) if one_block else None  # the plain order loads first
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   vector = decay_kind == "vector"
   decay, g, g_to_end = _chunk_decays(g_ref, vector, chunk)
