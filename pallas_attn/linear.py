@@ -98,6 +98,12 @@ from pallas_attn.spec import linear as spec_lib
 from pallas_attn.vjp.delta_rule_backward import chunked_delta_rule
 from pallas_attn.vjp.linear_backward import chunked_linear_attention
 
+# The padded core compiled once per schedule, so that a second eager call of
+# `linear_attention` reuses it (as `attention`'s core does) instead of
+# retracing its kernels.
+_delta_rule_core = jax.jit(chunked_delta_rule, static_argnums=6)
+_linear_core = jax.jit(chunked_linear_attention, static_argnums=5)
+
 FeatureMap = Callable[[jax.Array], jax.Array]
 
 
@@ -276,11 +282,11 @@ def linear_attention(q, k, v, *, log_decay=None, beta=None,
                          (spec.batch, spec.heads, d_feature, d_values))
   with backend.triton_deprecation_ignored():
     if spec.state_update == spec_lib.UPDATE_DELTA:  # padded steps write 0
-      o, final_state = chunked_delta_rule(
+      o, final_state = _delta_rule_core(
           *padded_inputs, _pad_to(beta, padded), kernel_log_decay,
           padded_state, schedule)
     else:
-      o, final_state = chunked_linear_attention(
+      o, final_state = _linear_core(
           *padded_inputs, kernel_log_decay, padded_state, schedule)
   o = o[:, :spec.seq_len, :, :values.shape[-1]]
   final_state = final_state[:, :, :spec.d_feature, :values.shape[-1]]

@@ -274,6 +274,19 @@ def test_several_value_blocks_and_default_chunk(interpret):
       assert_close(g, g_ref, DECAY_GRAD_TOL[jnp.float32])
 
 
+def test_eager_calls_compile_once_per_shape():
+  """Eager calls (no outer jit) with new decay values reuse one compiled core,
+  and each call sees its own values."""
+  from pallas_attn import linear
+  q, k, v = _inputs()
+  linear._linear_core.clear_cache()
+  for n in range(3):
+    log_decay = _log_decay("scalar", 20 + n)
+    out = linear_attention(q, k, v, log_decay=log_decay, interpret=True)
+    assert_close(out, linear_attention_reference(q, k, v, log_decay=log_decay)[0], 1e-5)
+  assert linear._linear_core._cache_size() == 1
+
+
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("kind", ["scalar", "vector"])
 def test_state_pass_splits_feature_and_value_blocks(kind, interpret):
