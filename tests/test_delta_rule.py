@@ -82,7 +82,8 @@ def test_chunked_jnp_matches_scan(kind):
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("kind, chunk", [(kind, CHUNK) for kind in KINDS]
-                         + [("vector", 2 * CHUNK)])  # row blocks of a chunk
+                         + [("vector", 2 * CHUNK),  # row blocks of a chunk
+                            ("none", 4 * CHUNK)])  # four blocks of the UT transform
 def test_forward_matches_scan(kind, chunk, interpret):
   q, k, v, beta, log_decay = _inputs(kind)
   initial = random((B, H, DK, DV), seed=9)
