@@ -12,9 +12,11 @@ L_ij = beta_i sum_d k_id k_jd 2^(g_id - g_jd) for i > j, K2^g = K * 2^g
 and the chunk is then ordinary decayed linear attention with values U. So:
 
 1. `ut_transform`, all chunks in parallel (one program per chunk and head):
-   block forward substitution over `UT_BLOCK`-row blocks of L, T and W, U~
-   (`_blocked_ut_transform`), L's blocks from two row blocks of keys (the
-   "none"/"scalar" kinds) or from `per_feature_pairs` (per-feature decays).
+   for the "none"/"scalar" kinds block forward substitution over
+   `UT_BLOCK`-row blocks of L, T and W, U~ (`_blocked_ut_transform`); for
+   per-feature decays L from `per_feature_pairs`, T by
+   `triangular.invert_unit_lower` on the whole [C, C], then W and U~ by two
+   products.
 2. The template's sequential state pass in its delta form
    (`state_pass(..., pseudo_keys=W)`): per chunk U = U~ - W S, stored, and
    S <- 2^g_last S + (K 2^(g_last - g))^T U.
@@ -56,6 +58,16 @@ def strictly_lower(chunk: int):
 # Whether T's merge products are float32-exact for bf16/fp16 inputs too (T is
 # rounded to the inputs' dtype before use, so TF32's 10-bit mantissas suffice).
 EXACT_MERGES = False
+
+
+def wy_transform(key_products, beta, *, fp32_exact: bool):
+  """T = (I + L)^-1 [C, C] float32, L = beta_i * key_products_ij below the
+  diagonal (key_products: the decayed K K^T; beta [C, 1]), in a kernel whose
+  inputs are float32 (`fp32_exact`: exact merge products) or narrower."""
+  chunk = key_products.shape[0]
+  return invert_unit_lower(
+      jnp.where(strictly_lower(chunk), beta * key_products, 0.0),
+      matmul=functools.partial(backend.dot, fp32_exact=fp32_exact or EXACT_MERGES))
 
 
 def per_feature_pairs(x, k_ref, g_ref, chunk: int, mm, d_pairs=None):
@@ -130,22 +142,29 @@ def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
   g_ref = refs.pop(0) if decay_kind != "none" else None
   w_ref, u_ref, *t_ref = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
-  products = None
-  if decay_kind == "vector":  # exp(g_id - g_jd) stays inside the sum over d
-    products, _, _ = per_feature_pairs(k_ref[...], k_ref, g_ref, chunk, mm)
-  _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, chunk=chunk,
-                        mm=mm, fp32_exact=fp32_exact, products=products)
+  if decay_kind != "vector":
+    return _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref,
+                                 chunk=chunk, mm=mm, fp32_exact=fp32_exact)
+  k, dtype = k_ref[...], k_ref.dtype
+  beta = beta_ref[...].astype(jnp.float32)[:, None]
+  g = g_ref[...]  # exp(g_id - g_jd) stays inside the sum over d
+  products, _, _ = per_feature_pairs(k, k_ref, g_ref, chunk, mm)
+  transform = wy_transform(products, beta, fp32_exact=fp32_exact).astype(dtype)
+  if t_ref:
+    t_ref[0][...] = transform
+  keys = beta * scale_rows(k.astype(jnp.float32), g)
+  w_ref[...] = mm(transform, keys.astype(dtype)).astype(w_ref.dtype)
+  values = beta * v_ref[...].astype(jnp.float32)
+  u_ref[...] = mm(transform, values.astype(dtype)).astype(u_ref.dtype)
 
 
 def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
-                          chunk: int, mm, fp32_exact: bool, products=None):
+                          chunk: int, mm, fp32_exact: bool):
   """The UT transform in `UT_BLOCK`-row blocks of the chunk: block forward
   substitution, T_ii = (I + L_ii)^-1 and T_ij = -T_ii sum_m L_im T_mj
   (j <= m < i), then W_i = sum_j T_ij (beta K 2^g)_j and U~ likewise. Only
-  the blocks on and below the diagonal are computed, where a [C, C] inverse
-  spends its products on the whole square. L's blocks are products of two
-  row blocks of keys, or for per-feature decays blocks of the chunk's
-  decayed key `products` [C, C]."""
+  the blocks on and below the diagonal are computed, each from rows of the
+  inputs, where a [C, C] inverse spends its products on the whole square."""
   block = min(UT_BLOCK, chunk)
   count, dtype = chunk // block, k_ref.dtype
   rows = [pl.ds(i * block, block) for i in range(count)]
@@ -153,25 +172,17 @@ def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
   keys = [k_ref[r, :] for r in rows]
   beta = [beta_ref[r].astype(jnp.float32)[:, None] for r in rows]
   g = [None if g_ref is None else g_ref[r] for r in rows]
-  vector = products is not None
-  g_rows = lambda i: g[i] if vector else g[i][:, None]  # a factor per row or per entry
   own = strictly_lower(block)
-  if vector:
-    parts = [jnp.split(row, count, axis=1) if count > 1 else [row]
-             for row in (jnp.split(products, count, axis=0) if count > 1 else [products])]
 
   def lower(i, j):  # L_ij = beta_i (K_i K_j^T 2^(g_i - g_j)), strictly lower
-    if vector:
-      products = parts[i][j]
-    else:
-      products = mm(keys[i], keys[j], trans_b=True)
-      if g_ref is not None:  # g_i <= g_j off the diagonal block: no overflow
-        products = masked_rescale(products, g[i][:, None] - g[j][None, :],
-                                  own if i == j else True)
+    products = mm(keys[i], keys[j], trans_b=True)
+    if g_ref is not None:  # g_i <= g_j off the diagonal block: no overflow
+      products = masked_rescale(products, g[i][:, None] - g[j][None, :],
+                                own if i == j else True)
     return jnp.where(own, beta[i] * products, 0.0) if i == j else beta[i] * products
 
   scaled = lambda i, x: beta[i] * (x.astype(jnp.float32) if g_ref is None
-                                   else scale_rows(x.astype(jnp.float32), g_rows(i)))
+                                   else scale_rows(x.astype(jnp.float32), g[i][:, None]))
   transform = {}
   for i in range(count):
     diagonal = invert_unit_lower(lower(i, i), matmul=merge)
