@@ -2,7 +2,7 @@
 over several GPUs of one host than one GPU, and what do they hold per GPU?
 
     python benchmarks/multi_gpu.py [--seqs 131072 262144] [--devices 1 2 4]
-        [--decode-seqs 1048576 2097152] [--profile]
+        [--decode-seqs 1048576 2097152] [--head-groups G] [--profile]
 
 Ring: causal softmax, bf16, d 128, Hq = Hkv = 16, batch 1:
 `context_parallel_attention` with the sequence split over the first n local
@@ -15,8 +15,9 @@ query token, B1 Hq 32 / Hkv 8 d 128 bf16 over a cache of S keys:
 `decode_attention` on one; GB/s per GPU count the K/V bytes each reads.
 By throughput; speedups are one GPU's time over n GPUs'. Memory per GPU: the
 compiled program's arguments, temporaries and outputs (per device under SPMD)
-and the measured peak, each configuration in a process of its own so that
-peaks do not carry over (this one leaves the GPUs alone). `--profile` adds
+and the peak measured after one call (inputs included), each configuration
+in a process of its own so that peaks do not carry over (this one leaves the
+GPUs alone). `--profile` adds
 each GPU's kernel, collective and idle time per call (PyTorch's CUPTI
 profiler; ring and decoding, whose multi-GPU throughput can be bound by the
 host's dispatch of one program per GPU). NVLink multicast stays off
@@ -64,15 +65,22 @@ def _setup(devices: int):
 
 
 def _random(shapes, sharding, seed: int):
-  """Normal bf16 arrays created in place with their sharding."""
+  """Normal bf16 arrays created in place with their sharding, one at a time
+  (so that making them peaks below the measured calls)."""
   import jax
   import jax.numpy as jnp
-  return jax.jit(lambda key: tuple(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(
-      jax.random.split(key, len(shapes)), shapes)), out_shardings=(sharding,) * len(shapes))(
-      jax.random.key(seed))
+  make = {s: jax.jit(lambda key, s=s: jax.random.normal(key, s, jnp.bfloat16),
+                     out_shardings=sharding) for s in set(shapes)}
+  return tuple(make[s](k) for k, s in zip(jax.random.split(jax.random.key(seed), len(shapes)),
+                                          shapes))
 
 
-def _memory(compiled, devices) -> dict:
+def _memory(compiled, call, devices) -> dict:
+  """Compiled bytes (arguments, temporaries, outputs) and the peak bytes in
+  use after one call (before the timed ones: back-to-back calls also hold a
+  previous call's outputs), per GPU."""
+  import jax
+  jax.block_until_ready(call())
   stats = compiled.memory_analysis()
   return {"compiled_bytes_per_gpu": int(stats.argument_size_in_bytes + stats.temp_size_in_bytes
                                         + stats.output_size_in_bytes),
@@ -87,10 +95,11 @@ def _profile(call, devices, calls: int = 3) -> list:
 
 
 def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
-                 preordered: bool = False) -> dict:
+                 preordered: bool = False, head_groups: int | None = None) -> dict:
   """Per mode: ms, TFLOP/s and bytes per GPU of the ring over `devices` GPUs
   (one GPU: `attention`); `preordered`: inputs and output in the zigzag
-  order (`sequence_order="zigzag"`, no relayout)."""
+  order (`sequence_order="zigzag"`, no relayout); `head_groups`: the ring's
+  (None: its default)."""
   import jax
 
   import pallas_attn as pa
@@ -102,7 +111,8 @@ def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
   else:
     order = "zigzag" if preordered else "natural"
     attention = lambda q, k, v: pa.context_parallel_attention(
-        q, k, v, mesh=mesh, seq_axis="seq", mask_mod=causal, sequence_order=order)
+        q, k, v, mesh=mesh, seq_axis="seq", mask_mod=causal, sequence_order=order,
+        head_groups=head_groups)
   q, k, v, cotangent = _random([(1, seq, heads, d)] * 4, sharding, 0)
 
   def step(q, k, v, d_out):
@@ -110,9 +120,10 @@ def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
   result = {"environment": bench.environment(), "devices": devices}
   for mode, fn, args in (("fwd", attention, (q, k, v)), ("fwd_bwd", step, (q, k, v, cotangent))):
     compiled = jax.jit(fn).lower(*args).compile()
+    memory = _memory(compiled, lambda: compiled(*args), chosen)
     ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5)
     flops = attention_flops(1, heads, seq, seq, d, d, density=(seq + 1) / (2 * seq), mode=mode)
-    result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, **_memory(compiled, chosen)}
+    result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, **memory}
     if profile and mesh is not None:
       result[mode]["profile"] = _profile(lambda: compiled(*args), chosen)
   return result
@@ -141,9 +152,10 @@ def measure_decode(devices: int, seq: int, d: int, profile: bool) -> dict:
                                                               axis_name="seq")
   compiled = jax.jit(fn).lower(q, k, v, lengths).compile()
   call = lambda: compiled(q, k, v, lengths)
+  memory = _memory(compiled, call, chosen)
   ms = median_time_ms(call, warmup=3, reps=10)
   gbytes_per_gpu = 2 * seq * DECODE_KV_HEADS * d * 2 / devices / 1e9
-  cell = {"ms": ms, "gb_s": gbytes_per_gpu / ms * 1e3, **_memory(compiled, chosen)}
+  cell = {"ms": ms, "gb_s": gbytes_per_gpu / ms * 1e3, **memory}
   if profile:
     cell["profile"] = _profile(call, chosen, calls=20)
   return {"environment": bench.environment(), "devices": devices, "decode": cell}
@@ -152,7 +164,8 @@ def measure_decode(devices: int, seq: int, d: int, profile: bool) -> dict:
 def run_one(kind: str, devices: int, seq: int, args) -> dict:
   """One measurement in a fresh process (its own memory peaks), or the error's last lines."""
   command = [sys.executable, __file__, "--one", kind, str(devices), str(seq), "--heads",
-             str(args.heads), "--d", str(args.d)] + (["--profile"] if args.profile else [])
+             str(args.heads), "--d", str(args.d)] + (["--profile"] if args.profile else []) + (
+                 ["--head-groups", str(args.head_groups)] if args.head_groups else [])
   env = dict(os.environ, **(SMALL_ENV if args.small else {}))
   proc = subprocess.run(command, capture_output=True, text=True, env=env)
   lines = proc.stdout.strip().splitlines()
@@ -186,6 +199,8 @@ def main(argv=None):
                       help="GPU counts to run on (default: 1, 2 and all local GPUs)")
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--d", type=int, default=128)
+  parser.add_argument("--head-groups", type=int, default=None,
+                      help="the ring's head groups (default: its own choice)")
   parser.add_argument("--profile", action="store_true",
                       help="per-GPU kernel / collective / idle time of each call")
   parser.add_argument("--one", nargs=3, metavar=("KIND", "DEVICES", "SEQ"),
@@ -195,7 +210,8 @@ def main(argv=None):
     kind, devices, seq = args.one[0], int(args.one[1]), int(args.one[2])
     if kind.startswith("ring"):
       print(json.dumps(measure_ring(devices, seq, args.heads, args.d, args.profile,
-                                    preordered=kind == PREORDERED)))
+                                    preordered=kind == PREORDERED,
+                                    head_groups=args.head_groups)))
     else:
       print(json.dumps(measure_decode(devices, seq, args.d, args.profile)))
     return

@@ -178,12 +178,14 @@ class _StepCounter:
 
 def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kwargs=None,
                            dtype=jnp.float32, sinks=None, load_balance=None, segment_ids=None,
-                           split_batch=False, expect_live=None, preordered=False):
+                           split_batch=False, expect_live=None, preordered=False,
+                           head_groups=None):
   """context_parallel_attention over a ring of `num` devices (with
   `split_batch`, num / 2 devices and the batch over 2) against the dense
   reference: output and gradients of q, k, v (and sinks). `preordered`:
   the inputs and ids put in the zigzag order first (`zigzag_order`), the
-  call told so (`sequence_order="zigzag"`), its output put back."""
+  call told so (`sequence_order="zigzag"`), its output put back.
+  `head_groups`: the ring's, one group's ring after another's."""
   data = 2 if split_batch and num >= 4 else 1
   mesh = jax.make_mesh((data, num // data), ("data", "seq"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -204,7 +206,8 @@ def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kw
         batch_axis="data" if data > 1 else None, config=config, bwd_config=config,
         interpret=interpret, load_balance=load_balance,
         segment_ids=None if segment_ids is None else order(segment_ids),
-        sequence_order="zigzag" if preordered else "natural", **with_sinks(kwargs, sinks))
+        sequence_order="zigzag" if preordered else "natural", head_groups=head_groups,
+        **with_sinks(kwargs, sinks))
     return pa.distributed.natural_order(out, shards) if preordered else out
 
   def reference(q, k, v, *sinks):
@@ -293,6 +296,9 @@ def context_parallel_cases(num):
                                   expect_live=2 * steps)),
       ("document ids + causal, zigzag", dict(kwargs=causal.kwargs(), segment_ids=ids,
                                              reference_kwargs=document.kwargs())),
+      ("document ids + causal, zigzag, two head groups (GQA)", dict(
+          kwargs=causal.kwargs(), segment_ids=ids, reference_kwargs=document.kwargs(),
+          head_groups=2)),
       ("document ids + causal, inputs in zigzag order", dict(
           kwargs=causal.kwargs(), segment_ids=ids, reference_kwargs=document.kwargs(),
           preordered=True)),
@@ -300,6 +306,8 @@ def context_parallel_cases(num):
                                           expect_live=2 * (2 * num - 1))),
       ("ALiBi + causal + sinks, zigzag, bf16",
        dict(kwargs=alibi.kwargs(), sinks=jnp.linspace(-1.0, 2.0, 4), dtype=jnp.bfloat16)),
+      ("ALiBi + causal + sinks, zigzag, two head groups",
+       dict(kwargs=alibi.kwargs(), sinks=jnp.linspace(-1.0, 2.0, 4), head_groups=2)),
       ("sigmoid, batch split too", dict(kwargs=dict(
           rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b),
           split_batch=True)),

@@ -5,7 +5,9 @@ over the mesh: the sequence axis is split over `seq_axis` (and batch and
 heads, optionally, over `batch_axis` and `head_axis`). With load balancing
 it moves each device's shard into the zigzag layout first (two chunks per
 device, so that every device has the same causal work) and the result
-back, with `ppermute`s of half a shard; inputs already in the zigzag order
+back, with `ppermute`s of half a shard, inside the ring's forward and
+backward for one head group at a time (so that no moved copy of a whole
+shard is kept for the backward); inputs already in the zigzag order
 (`sequence_order="zigzag"`, `layout.zigzag_order`) need no moves.
 """
 from __future__ import annotations
@@ -56,7 +58,8 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   and so is the output (and the lse): no moves, the zigzag layout whatever
   the mask; positions seen by score_mod / mask_mod stay the natural ones.
   `attention_kwargs`: score_mod, mask_mod, rownorm (softmax or elementwise),
-  scale, sinks, config, bwd_config, interpret, implementation.
+  scale, sinks, head_groups (`ring_attention`'s), config, bwd_config,
+  interpret, implementation.
   """
   num = mesh.shape[seq_axis]
   seq_q, seq_kv = q.shape[1], k.shape[1]
@@ -81,23 +84,16 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   if return_lse:
     out_specs = (qkv_spec, PartitionSpec(batch_axis, head_axis, seq_axis))
 
+  relayout = None
+  if layout == layout_lib.ZIGZAG and not preordered:
+    relayout = ring_lib.Relayout(lambda arrays: layout_lib.to_zigzag(arrays, seq_axis, num),
+                                 lambda arrays: layout_lib.from_zigzag(arrays, seq_axis, num))
+
   def local(q, k, v, q_ids, kv_ids):
-    def relayout(move, *arrays):
-      """`arrays` ((array or None, sequence axis) pairs) moved in one ordered chain."""
-      if layout == layout_lib.CONTIGUOUS or preordered:
-        return [x for x, _ in arrays]
-      present = [(x, axis) for x, axis in arrays if x is not None]
-      moved = iter(move(present, seq_axis, num))
-      return [None if x is None else next(moved) for x, _ in arrays]
-    q, k, v, q_ids, kv_ids = relayout(layout_lib.to_zigzag, (q, 1), (k, 1), (v, 1),
-                                      (q_ids, 1), (kv_ids, 1))
-    result = ring_lib.ring_attention(
+    return ring_lib.ring_attention(
         q, k, v, axis_name=seq_axis, layout=layout,
         segment_ids=None if q_ids is None else (q_ids, kv_ids), return_lse=return_lse,
-        batch_axis=batch_axis, head_axis=head_axis, **attention_kwargs)
-    out, lse = result if return_lse else (result, None)
-    out, lse = relayout(layout_lib.from_zigzag, (out, 1), (lse, 2))
-    return (out, lse) if return_lse else out
+        batch_axis=batch_axis, head_axis=head_axis, relayout=relayout, **attention_kwargs)
 
   in_specs = (qkv_spec,) * 3 + (ids_spec,) * 2
   args = [_resharded(x, mesh, spec) for x, spec in zip((q, k, v, *ids), in_specs)]

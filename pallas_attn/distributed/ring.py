@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,16 @@ from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
 
 
 @dataclasses.dataclass(frozen=True)
+class Relayout:
+  """Moves of the caller's shards into the ring's layout and back: each takes
+  and returns a list of (array, its sequence axis) pairs (context_parallel's
+  zigzag moves). Done per head group inside the ring's forward and backward,
+  so that no moved copy of a whole shard is kept for the backward."""
+  to_ring: Callable
+  from_ring: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class _Ring:
   """The static part of one ring call."""
   axis_name: object
@@ -55,6 +66,8 @@ class _Ring:
   options: dict               # rownorm, scale and attention's tile/lowering options
   batch_axis: object = None   # mesh axes of the same shard_map splitting batch / heads
   head_axis: object = None
+  head_groups: int = 1        # rings run one after another, each on Hkv / head_groups kv heads
+  relayout: Relayout | None = None  # the caller's layout -> `layout` and back (None: the same)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +79,15 @@ class _Place:
   head_offset: jax.Array | None
 
 
-def _place(ring: _Ring, q) -> _Place:
+def _place(ring: _Ring, q, group_heads: int, group) -> _Place:
+  """This device's place, for head group `group` of `group_heads` query
+  heads (of q's, this device's)."""
   num = lax.axis_size(ring.axis_name)
-  offsets = [None if axes is None else lax.axis_index(axes) * q.shape[dim]
-             for axes, dim in ((ring.batch_axis, 0), (ring.head_axis, 2))]
-  return _Place(num, lax.axis_index(ring.axis_name), *offsets)
+  batch, head = [None if axes is None else lax.axis_index(axes) * q.shape[dim]
+                 for axes, dim in ((ring.batch_axis, 0), (ring.head_axis, 2))]
+  if ring.head_groups > 1:
+    head = group * group_heads + (0 if head is None else head)
+  return _Place(num, lax.axis_index(ring.axis_name), batch, head)
 
 
 def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int, step,
@@ -152,10 +169,9 @@ def _merge(kind: str, acc, part):
   return _reweighted(out, lse, merged) + _reweighted(part_out, part_lse, merged), merged
 
 
-def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
+def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
   """(output `[B, Sq, Hq, Dv]`, log-sum-exp `[B, Hq, Sq]`) over the ring,
-  merged in float32."""
-  place = _place(ring, q)
+  merged in float32; inputs and results in the ring's layout."""
   batch, seq_q, heads, _ = q.shape
   empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), q.dtype),
            jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32))
@@ -183,12 +199,12 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
 
 
-def _backward(ring: _Ring, residuals, d_out, d_lse):
+def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, lse, d_out,
+              d_lse):
   """(dq, dk, dv) over a second ring: dq stays; a dk/dv accumulator travels
   with each block of keys, in the keys' dtype, one step behind it so that its
-  transfer also overlaps a kernel, and returns to its device."""
-  q, k, v, q_ids, kv_ids, consts, out, lse = residuals
-  place = _place(ring, q)
+  transfer also overlaps a kernel, and returns to its device. Everything in
+  the ring's layout."""
   d_out = d_out.astype(q.dtype)
   block_like = [x for x in (k, v, kv_ids) if x is not None]
   like = block_like + [k, v]  # a message: the block, then the dk / dv accumulator
@@ -242,15 +258,89 @@ def _check_captures_not_differentiated(score_consts):
           "jax.lax.stop_gradient, or use pallas_attn.attention with batch/head sharding")
 
 
+def _moved(ring: _Ring, direction: str, *arrays) -> list:
+  """`arrays` ((array or None, sequence axis) pairs) moved by the ring's
+  relayout, `direction` "to_ring" or "from_ring" (no relayout: as they are)."""
+  if ring.relayout is None:
+    return [x for x, _ in arrays]
+  present = [(x, axis) for x, axis in arrays if x is not None]
+  moved = iter(getattr(ring.relayout, direction)(present))
+  return [None if x is None else next(moved) for x, _ in arrays]
+
+
+def _over_head_groups(ring: _Ring, q, k, group_fn, results):
+  """`group_fn(place, head_slice, kv_head_slice)` for each head group, one
+  after another (a loop, so that one group's buffers are reused by the
+  next), its results (arrays, with their head axis, shaped as `results`)
+  written into zero arrays shaped as `results`. A slice is a function that
+  takes an array and its head axis and returns that group's heads."""
+  groups = ring.head_groups
+  group_heads, group_kv_heads = q.shape[2] // groups, k.shape[2] // groups
+
+  def run(group):
+    def head_slice(heads):
+      return lambda x, axis: (x if groups == 1 else
+                              lax.dynamic_slice_in_dim(x, group * heads, heads, axis))
+    place = _place(ring, q, group_heads, group)
+    return group_fn(place, head_slice(group_heads), head_slice(group_kv_heads))
+
+  if groups == 1:
+    return run(0)
+
+  def body(group, acc):
+    return [lax.dynamic_update_slice_in_dim(a, part, group * (a.shape[axis] // groups), axis)
+            for a, part, (_, axis) in zip(acc, run(group), results)]
+  zeros = [jnp.zeros(shape_dtype.shape, shape_dtype.dtype) for shape_dtype, _ in results]
+  return lax.fori_loop(0, groups, body, zeros)
+
+
+def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
+  """(output, log-sum-exp) in the caller's layout: per head group, its q, k,
+  v moved into the ring's layout, the ring, the results moved back."""
+  q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
+
+  def group(place, heads, kv_heads):
+    moved = _moved(ring, "to_ring",
+                   (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1))
+    out, lse = _forward(ring, place, *moved, q_ids, kv_ids, consts)
+    return _moved(ring, "from_ring", (out, 1), (lse, 2))
+
+  batch, seq_q, heads, _ = q.shape
+  results = [(jax.ShapeDtypeStruct((batch, seq_q, heads, v.shape[3]), q.dtype), 2),
+             (jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32), 1)]
+  return tuple(_over_head_groups(ring, q, k, group, results))
+
+
+def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
+  """(dq, dk, dv) in the caller's layout: per head group, its inputs, output,
+  statistics and cotangents moved into the ring's layout, the backward ring,
+  its gradients moved back."""
+  q, k, v, q_ids, kv_ids, consts, out, lse = residuals
+  q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
+
+  def group(place, heads, kv_heads):
+    moved = _moved(ring, "to_ring",
+                   (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1),
+                   (heads(out, 2), 1), (heads(d_out, 2), 1), (heads(lse, 1), 2),
+                   (heads(d_lse, 1), 2))
+    g_q, g_k, g_v, g_out, g_d_out, g_lse, g_d_lse = moved
+    grads = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_out, g_lse,
+                      g_d_out, g_d_lse)
+    return _moved(ring, "from_ring", *((g, 1) for g in grads))
+
+  results = [(jax.ShapeDtypeStruct(x.shape, x.dtype), 2) for x in (q, k, v)]
+  return tuple(_over_head_groups(ring, q, k, group, results))
+
+
 def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
-  """The differentiable ring: (output, log-sum-exp)."""
-  core = jax.custom_vjp(functools.partial(_forward, ring))
+  """The differentiable ring: (output, log-sum-exp), in the caller's layout."""
+  core = jax.custom_vjp(functools.partial(_grouped_forward, ring))
 
   def fwd(q, k, v, q_ids, kv_ids, consts):
     _check_captures_not_differentiated(consts[0])
     primals = jax.custom_derivatives.custom_vjp_primal_tree_values(
         (q, k, v, q_ids, kv_ids, consts))
-    out, lse = _forward(ring, *primals)
+    out, lse = _grouped_forward(ring, *primals)
     return (out, lse), (*primals, out, lse)
 
   def bwd(residuals, cotangents):
@@ -258,11 +348,25 @@ def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
     zero = lambda ct, like: (jnp.zeros(like.shape, like.dtype)
                              if isinstance(ct, jax.custom_derivatives.SymbolicZero) else ct)
     d_out, d_lse = (zero(ct, like) for ct, like in zip(cotangents, (out, lse)))
-    dq, dk, dv = _backward(ring, residuals, d_out, d_lse)
+    dq, dk, dv = _grouped_backward(ring, residuals, d_out, d_lse)
     return dq, dk, dv, None, None, jax.tree.map(lambda _: None, consts)
 
   core.defvjp(fwd, bwd, symbolic_zeros=True)
   return core(q, k, v, q_ids, kv_ids, consts)
+
+
+GROUP_BLOCK_BYTES = 32 << 20
+
+
+def default_head_groups(k) -> int:
+  """The fewest head groups (a divisor of k's heads) whose block of keys
+  (this device's shard, a group's heads) is at most `GROUP_BLOCK_BYTES`:
+  long shards run in groups, holding a fraction of the ring's buffers, while
+  each group's kernels still cover hundreds of thousands of rows."""
+  batch, seq, heads, dim = k.shape
+  block = batch * seq * dim * jnp.dtype(k.dtype).itemsize
+  return next(g for g in range(1, heads + 1)
+              if heads % g == 0 and block * (heads // g) <= GROUP_BLOCK_BYTES or g == heads)
 
 
 def segment_id_pair(segment_ids, batch: int, seq_q: int, seq_kv: int):
@@ -317,8 +421,9 @@ def _with_sinks(out, lse, sinks, head_offset):
 
 def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
                    score_mod=None, mask_mod=None, rownorm="softmax", scale=None, sinks=None,
-                   return_lse=False, batch_axis=None, head_axis=None, config=None,
-                   bwd_config=None, interpret=None, implementation=None):
+                   return_lse=False, batch_axis=None, head_axis=None, head_groups=None,
+                   config=None, bwd_config=None, interpret=None, implementation=None,
+                   relayout: Relayout | None = None):
   """`pallas_attn.attention` over a sequence split on mesh axis `axis_name`,
   for use inside `jax.shard_map`.
 
@@ -333,7 +438,14 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   pair (query ids, key ids)), which travel around the ring with the keys;
   a query keeps only keys of its own document (ANDed with mask_mod).
   `sinks`: `[Hq]` logits for all (global) query heads. The other arguments
-  are `attention`'s; softmax and elementwise rownorms only. Returns the
+  are `attention`'s; softmax and elementwise rownorms only. `head_groups`:
+  the heads split into that many groups (dividing Hkv), each group's ring
+  run after the previous one's, so that the ring's buffers (the blocks in
+  flight, the travelling dk / dv, float32 accumulators) hold one group's
+  heads; None picks the fewest groups whose key block stays within
+  `GROUP_BLOCK_BYTES` (one group for short shards). `relayout`: the inputs'
+  and results' layout differs from `layout`; these moves convert (per
+  group; `context_parallel_attention` uses it). Returns the
   output, and with `return_lse` the log-sum-exp `[B, Hq, Sq]` (None for
   elementwise rownorms). Differentiable in q, k, v and sinks.
   """
@@ -344,7 +456,13 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   q_ids, kv_ids = segment_id_pair(segment_ids, q.shape[0], q.shape[1], k.shape[1])
   options = dict(rownorm=rownorm, scale=scale, config=config, bwd_config=bwd_config,
                  interpret=interpret, implementation=implementation)
-  ring = _Ring(axis_name, layout, analysis, options, batch_axis, head_axis)
+  if head_groups is None:
+    head_groups = default_head_groups(k)
+  if head_groups < 1 or k.shape[2] % head_groups:
+    raise ValueError(f"head_groups ({head_groups}) must be a positive divisor of the number "
+                     f"of key/value heads on this device ({k.shape[2]})")
+  ring = _Ring(axis_name, layout, analysis, options, batch_axis, head_axis, head_groups,
+               relayout)
   consts = tuple(() if prog is None else tuple(prog.traced.consts)
                  for prog in (analysis.score_mod, analysis.mask_mod))
   out, lse = _ring(ring, q, k, v, q_ids, kv_ids, consts)
