@@ -170,23 +170,17 @@ def _move_chunks(arrays, axis_name, sources: dict) -> list:
   return [jnp.concatenate(parts, axis=axis) for parts, (_, axis) in zip(out, arrays)]
 
 
-def after(x, dependency):
-  """`x` made to wait for `dependency` (`optimization_barrier`) on CPU, and
-  as it is elsewhere: XLA:CPU's runtime can mix up the participants of
-  collective-permutes that run at the same time, so there collectives go
-  one at a time; GPUs keep them independent, free to overlap with compute."""
-  if jax.default_backend() != "cpu":
-    return x
-  return jax.lax.optimization_barrier((x, dependency))[0]
-
-
 def ordered_ppermutes(sends, axis_name) -> list:
-  """`lax.ppermute(x, axis_name, perm)` for each (x, perm) of `sends`, on
-  CPU one after another (`after`)."""
+  """`lax.ppermute(x, axis_name, perm)` for each (x, perm) of `sends`. On
+  CPU one after another: XLA:CPU's runtime can mix up the participants of
+  collective-permutes that run at the same time, so there each one's operand
+  waits (`optimization_barrier`) for the previous one's result. GPUs keep
+  them independent, free to overlap with compute."""
+  sequential = jax.default_backend() == "cpu"
   received = []
   for x, perm in sends:
-    if received:
-      x = after(x, received[-1])
+    if received and sequential:
+      x, _ = jax.lax.optimization_barrier((x, received[-1]))
     received.append(jax.lax.ppermute(x, axis_name, perm))
   return received
 

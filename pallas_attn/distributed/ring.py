@@ -268,57 +268,30 @@ def _moved(ring: _Ring, direction: str, *arrays) -> list:
   return [None if x is None else next(moved) for x, _ in arrays]
 
 
-def _group_heads(x, axis: int, group, groups: int):
-  """Head group `group` of `groups` of `x` (heads on `axis`)."""
-  if groups == 1:
-    return x
-  size = x.shape[axis] // groups
-  return lax.dynamic_slice_in_dim(x, group * size, size, axis)
-
-
-def _over_head_groups(ring: _Ring, q, inputs, compute, results) -> list:
-  """For each head group, one after another (a loop: one group's buffers
-  serve the next): `inputs` ((array, head axis, sequence axis) triples) cut
-  to the group's heads and moved into the ring's layout, `compute(place,
-  *moved)` (the ring, results in its layout), the results moved back and
-  written into arrays shaped as `results` ((shape / dtype, head axis,
-  sequence axis) triples).
-
-  With a relayout the moves run beside the rings: while group g's ring runs,
-  group g + 1's inputs move in and group g - 1's results move out, so that
-  only the first group's and the last group's moves are exposed (the first
-  step moves zeros out and the last moves its inputs in again, both unused:
-  one loop body for every group)."""
+def _over_head_groups(ring: _Ring, q, k, group_fn, results):
+  """`group_fn(place, head_slice, kv_head_slice)` for each head group, one
+  after another (a loop, so that one group's buffers are reused by the
+  next), its results (arrays, with their head axis, shaped as `results`)
+  written into zero arrays shaped as `results`. A slice is a function that
+  takes an array and its head axis and returns that group's heads."""
   groups = ring.head_groups
+  group_heads, group_kv_heads = q.shape[2] // groups, k.shape[2] // groups
 
-  def load(group):
-    return _moved(ring, "to_ring",
-                  *((_group_heads(x, head, group, groups), seq) for x, head, seq in inputs))
-
-  def store(parts):
-    return _moved(ring, "from_ring", *((p, seq) for p, (_, _, seq) in zip(parts, results)))
-
-  def run(group, moved):
-    return list(compute(_place(ring, q, q.shape[2] // groups, group), *moved))
+  def run(group):
+    def head_slice(heads):
+      return lambda x, axis: (x if groups == 1 else
+                              lax.dynamic_slice_in_dim(x, group * heads, heads, axis))
+    place = _place(ring, q, group_heads, group)
+    return group_fn(place, head_slice(group_heads), head_slice(group_kv_heads))
 
   if groups == 1:
-    return store(run(0, load(0)))
+    return run(0)
 
-  def written(acc, parts, group):
-    return [lax.dynamic_update_slice_in_dim(a, p, group * (a.shape[head] // groups), head)
-            for a, p, (_, head, _) in zip(acc, parts, results)]
-
-  def body(group, carry):
-    acc, moved, previous = carry  # group g's inputs, group g - 1's results (ring layout)
-    following = load(jnp.minimum(group + 1, groups - 1))
-    stored = store(layout_lib.after(previous, following))
-    moved = layout_lib.after(moved, (following, stored))
-    return written(acc, stored, (group - 1) % groups), following, run(group, moved)
-
-  whole = [jnp.zeros(like.shape, like.dtype) for like, _, _ in results]
-  parts = [_group_heads(x, head, 0, groups) for x, (_, head, _) in zip(whole, results)]
-  acc, _, last = lax.fori_loop(0, groups, body, (whole, load(0), parts))
-  return written(acc, store(last), groups - 1)
+  def body(group, acc):
+    return [lax.dynamic_update_slice_in_dim(a, part, group * (a.shape[axis] // groups), axis)
+            for a, part, (_, axis) in zip(acc, run(group), results)]
+  zeros = [jnp.zeros(shape_dtype.shape, shape_dtype.dtype) for shape_dtype, _ in results]
+  return lax.fori_loop(0, groups, body, zeros)
 
 
 def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
@@ -326,13 +299,16 @@ def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   v moved into the ring's layout, the ring, the results moved back."""
   q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
 
-  def compute(place, q, k, v):
-    return _forward(ring, place, q, k, v, q_ids, kv_ids, consts)
+  def group(place, heads, kv_heads):
+    moved = _moved(ring, "to_ring",
+                   (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1))
+    out, lse = _forward(ring, place, *moved, q_ids, kv_ids, consts)
+    return _moved(ring, "from_ring", (out, 1), (lse, 2))
 
   batch, seq_q, heads, _ = q.shape
-  results = [(jax.ShapeDtypeStruct((batch, seq_q, heads, v.shape[3]), q.dtype), 2, 1),
-             (jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32), 1, 2)]
-  return tuple(_over_head_groups(ring, q, [(x, 2, 1) for x in (q, k, v)], compute, results))
+  results = [(jax.ShapeDtypeStruct((batch, seq_q, heads, v.shape[3]), q.dtype), 2),
+             (jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32), 1)]
+  return tuple(_over_head_groups(ring, q, k, group, results))
 
 
 def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
@@ -342,12 +318,18 @@ def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
   q, k, v, q_ids, kv_ids, consts, out, lse = residuals
   q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
 
-  def compute(place, q, k, v, out, d_out, lse, d_lse):
-    return _backward(ring, place, q, k, v, q_ids, kv_ids, consts, out, lse, d_out, d_lse)
+  def group(place, heads, kv_heads):
+    moved = _moved(ring, "to_ring",
+                   (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1),
+                   (heads(out, 2), 1), (heads(d_out, 2), 1), (heads(lse, 1), 2),
+                   (heads(d_lse, 1), 2))
+    g_q, g_k, g_v, g_out, g_d_out, g_lse, g_d_lse = moved
+    grads = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_out, g_lse,
+                      g_d_out, g_d_lse)
+    return _moved(ring, "from_ring", *((g, 1) for g in grads))
 
-  inputs = [(x, 2, 1) for x in (q, k, v, out, d_out)] + [(x, 1, 2) for x in (lse, d_lse)]
-  results = [(jax.ShapeDtypeStruct(x.shape, x.dtype), 2, 1) for x in (q, k, v)]
-  return tuple(_over_head_groups(ring, q, inputs, compute, results))
+  results = [(jax.ShapeDtypeStruct(x.shape, x.dtype), 2) for x in (q, k, v)]
+  return tuple(_over_head_groups(ring, q, k, group, results))
 
 
 def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
@@ -373,7 +355,7 @@ def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   return core(q, k, v, q_ids, kv_ids, consts)
 
 
-GROUP_BLOCK_BYTES = 16 << 20
+GROUP_BLOCK_BYTES = 32 << 20
 
 
 def default_head_groups(k) -> int:
