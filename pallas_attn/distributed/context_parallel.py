@@ -5,9 +5,10 @@ over the mesh: the sequence axis is split over `seq_axis` (and batch and
 heads, optionally, over `batch_axis` and `head_axis`). With load balancing
 it moves each device's shard into the zigzag layout first (two chunks per
 device, so that every device has the same causal work) and the result
-back, with `ppermute`s of half a shard, inside the ring's forward and
-backward for one head group at a time (so that no moved copy of a whole
-shard is kept for the backward); inputs already in the zigzag order
+back, with `ppermute`s of half a shard: around the ring where it runs in
+one head group, inside its forward and backward for one group at a time
+where it runs in several (so that no moved copy of a whole shard is kept
+for the backward); inputs already in the zigzag order
 (`sequence_order="zigzag"`, `layout.zigzag_order`) need no moves.
 """
 from __future__ import annotations
@@ -84,16 +85,30 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   if return_lse:
     out_specs = (qkv_spec, PartitionSpec(batch_axis, head_axis, seq_axis))
 
-  relayout = None
+  moves = None
   if layout == layout_lib.ZIGZAG and not preordered:
-    relayout = ring_lib.Relayout(lambda arrays: layout_lib.to_zigzag(arrays, seq_axis, num),
-                                 lambda arrays: layout_lib.from_zigzag(arrays, seq_axis, num))
+    moves = ring_lib.Relayout(lambda arrays: layout_lib.to_zigzag(arrays, seq_axis, num),
+                              lambda arrays: layout_lib.from_zigzag(arrays, seq_axis, num))
+  head_groups = attention_kwargs.pop("head_groups", None)
 
   def local(q, k, v, q_ids, kv_ids):
-    return ring_lib.ring_attention(
+    groups = ring_lib.default_head_groups(k) if head_groups is None else head_groups
+    # One group: the moves outside the ring (differentiated by JAX: the backward
+    # keeps the moved inputs rather than moving them again); several: inside it.
+    outside = moves is not None and groups == 1
+    if outside:
+      q, k, v, q_ids, kv_ids = ring_lib.moved(moves.to_ring, (q, 1), (k, 1), (v, 1),
+                                              (q_ids, 1), (kv_ids, 1))
+    result = ring_lib.ring_attention(
         q, k, v, axis_name=seq_axis, layout=layout,
         segment_ids=None if q_ids is None else (q_ids, kv_ids), return_lse=return_lse,
-        batch_axis=batch_axis, head_axis=head_axis, relayout=relayout, **attention_kwargs)
+        batch_axis=batch_axis, head_axis=head_axis, head_groups=groups,
+        relayout=None if outside else moves, **attention_kwargs)
+    if not outside:
+      return result
+    out, lse = result if return_lse else (result, None)
+    out, lse = ring_lib.moved(moves.from_ring, (out, 1), (lse, 2))
+    return (out, lse) if return_lse else out
 
   in_specs = (qkv_spec,) * 3 + (ids_spec,) * 2
   args = [_resharded(x, mesh, spec) for x, spec in zip((q, k, v, *ids), in_specs)]

@@ -258,14 +258,19 @@ def _check_captures_not_differentiated(score_consts):
           "jax.lax.stop_gradient, or use pallas_attn.attention with batch/head sharding")
 
 
-def _moved(ring: _Ring, direction: str, *arrays) -> list:
-  """`arrays` ((array or None, sequence axis) pairs) moved by the ring's
-  relayout, `direction` "to_ring" or "from_ring" (no relayout: as they are)."""
-  if ring.relayout is None:
+def moved(move, *arrays) -> list:
+  """`arrays` ((array or None, sequence axis) pairs) moved by `move` (a
+  `Relayout`'s; None: as they are)."""
+  if move is None:
     return [x for x, _ in arrays]
   present = [(x, axis) for x, axis in arrays if x is not None]
-  moved = iter(getattr(ring.relayout, direction)(present))
-  return [None if x is None else next(moved) for x, _ in arrays]
+  moved_arrays = iter(move(present))
+  return [None if x is None else next(moved_arrays) for x, _ in arrays]
+
+
+def _moved(ring: _Ring, direction: str, *arrays) -> list:
+  """`arrays` moved by the ring's relayout, `direction` "to_ring" or "from_ring"."""
+  return moved(ring.relayout and getattr(ring.relayout, direction), *arrays)
 
 
 def _over_head_groups(ring: _Ring, q, k, group_fn, results):
