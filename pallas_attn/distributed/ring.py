@@ -31,6 +31,14 @@ and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
 no forward is recomputed and nothing per step is kept, so memory stays
 that of one device's shard (differentiating through the forward ring
 instead would save every step's keys, values and partial output).
+
+Long shards run the ring in head groups (`head_groups`), one group's ring
+after the other's, so that its buffers (the blocks in flight, the
+travelling dk / dv, the float32 accumulators) hold a group's heads; a
+caller whose shards are in another layout (`context_parallel_attention`'s
+natural order) passes its moves (`Relayout`), done per group inside the
+forward and backward, so that no moved copy of a whole shard is kept for
+the backward either.
 """
 from __future__ import annotations
 
