@@ -41,9 +41,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_attn.kernels import mosaic_backend as mb
-from pallas_attn.kernels.linear.mosaic_forward import (ANCHOR, BLOCK_V, CHUNK, FEATURE_SLICE,
+from pallas_attn.kernels.linear.mosaic_forward import (ANCHOR, BLOCK_V, CHUNK,
                                                      carry_through_chunks, stream_chunks)
 
+FEATURE_SLICE = 64  # Dk columns per step of the vector kind's elementwise scaling
 _CONSUMER_REGISTERS = 232
 
 

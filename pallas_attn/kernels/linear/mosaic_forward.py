@@ -21,12 +21,14 @@ stored states; the carried state stays float32.
 
 With a gate per key feature ("vector", GLA) the decay sits inside the Dk
 contraction, so the operands carry it: Q 2^g for Q S, K 2^(g_last - g) for
-the update (both factors <= 1, written over the chunk's q and k slots), and
-for the scores Q 2^(g - g_m) K^T 2^(g_m - g) around the chunk's middle row
-m, two factors up to 2^span each, the chunk's decay from its first row to m
-or from m to its last. `gates_in_range` checks the spans of a call against
-SPAN_LIMIT at run time; beyond it the Triton passes run (their row blocks
-keep every factor <= 1).
+the update (both factors <= 1), and for the scores Q 2^(g - g_m) K^T
+2^(g_m - g) around the chunk's middle row m, two factors up to 2^span each,
+the chunk's decay from its first row to m or from m to its last
+(`anchored_operands`: one elementwise XLA pass before the kernel, which
+streams the four and each chunk's g_last, so that no scaling sits on the
+consumer's path and the float32 gates take no shared memory).
+`gates_in_range` checks the spans of a call against SPAN_LIMIT at run time;
+beyond it the Triton passes run (their row blocks keep every factor <= 1).
 
 Scope (`obstacle` says what falls back to Triton): 16-bit inputs and
 outputs (bfloat16 for per-feature gates: float16 overflows at 2^16, and its
@@ -51,7 +53,6 @@ from pallas_attn.kernels import mosaic_backend as mb
 CHUNK = 64        # tokens per chunk: the M of one warpgroup's wgmma
 BLOCK_V = 64      # Dv columns per program: 128 rows of the float32 state in 64 registers
 FEATURE_WIDTHS = (64, 128)
-FEATURE_SLICE = 64  # Dk columns per step of the vector kind's operand scaling
 ANCHOR = CHUNK // 2 - 1  # the vector kind's split row: two factors of half the chunk's span
 SPAN_LIMIT = 64.0  # base 2: factors up to 2^64 leave bfloat16 q and k room to 2^127
 _PRODUCER_REGISTERS = 40
@@ -89,6 +90,23 @@ def gates_in_range(log_decay_cum) -> jax.Array:
   g = log_decay_cum.reshape(batch, seq_len // CHUNK, CHUNK, heads, width)
   span = jnp.maximum(g[:, :, 0] - g[:, :, ANCHOR], g[:, :, ANCHOR] - g[:, :, -1])
   return jnp.max(span) <= SPAN_LIMIT
+
+
+def anchored_operands(q, k, log_decay_cum):
+  """The vector kind's operands: (Q 2^g, K 2^(g_last - g), Q 2^(g - g_m),
+  K 2^(g_m - g)), each [B, S, H, Dk] in q's dtype, and g_last [B, H, S / C,
+  Dk] float32, for g each chunk's cumulative log decays (base 2), g_m its
+  row ANCHOR's and g_last its last row's. Products in float32, as the
+  Triton passes form them."""
+  batch, seq_len, heads, width = q.shape
+  chunks = (batch, seq_len // CHUNK, CHUNK, heads, width)
+  g = log_decay_cum.reshape(chunks)
+  anchor, last = g[:, :, ANCHOR:ANCHOR + 1], g[:, :, CHUNK - 1:]
+  q32, k32 = (x.reshape(chunks).astype(jnp.float32) for x in (q, k))
+  scaled = [q32 * jnp.exp2(g), k32 * jnp.exp2(last - g), q32 * jnp.exp2(g - anchor),
+            k32 * jnp.exp2(anchor - g)]
+  return ([x.astype(q.dtype).reshape(q.shape) for x in scaled]
+          + [jnp.transpose(last[:, :, 0], (0, 2, 1, 3))])
 
 
 def unless_gates_out_of_range(decay_kind: str, log_decay_cum, mosaic, fallback):
@@ -147,9 +165,13 @@ def carry_through_chunks(start_ref, end_ref, at, num_chunks: int, first, step):
 
 def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks: int,
             scale: float, store_states: bool, delta: bool):
+  """Vector kind: q_ref and k_ref hold Q 2^g and K 2^(g_last - g), the refs
+  after v (and W) the scores' Q 2^(g - g_m) and K 2^(g_m - g), then g_last
+  (`anchored_operands`); scalar: g [B, H, S]."""
   decay, vector = decay_kind != "none", decay_kind == "vector"
   refs = list(refs)
   w_ref = refs.pop(0) if delta else None  # the delta rule's W; v_ref holds its U~
+  score_refs = [refs.pop(0) for _ in range(2 if vector else 0)]
   g_ref = refs.pop(0) if decay else None
   initial_ref, out_ref, final_ref = refs[:3]
   del refs[:3]
@@ -157,9 +179,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
   q_smem, k_smem, v_smem = refs[:3]
   del refs[:3]
   w_smem = refs.pop(0) if delta else None
+  score_smem = [refs.pop(0) for _ in range(2 if vector else 0)]
   g_smem = refs.pop(0) if decay else None
-  # scalar: 2^(g_last - g) V; vector: Q 2^(g - g_m) and K 2^(g_m - g)
-  scaled_smem = [refs.pop(0) for _ in range(2 if vector else 1 if decay else 0)]
+  values_smem = refs.pop(0) if decay and not vector else None  # 2^(g_last - g) V
   state_smem, o_smem, ready, free = refs
   dtype = q_ref.dtype
   columns = pl.ds(lax.axis_index("v") * BLOCK_V, BLOCK_V)
@@ -171,8 +193,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
              (v_ref.at[b, rows, h, columns], v_smem)]
     if delta:
       chunk.append((w_ref.at[b, rows, h], w_smem))
+    chunk += [(ref.at[b, rows, h], ring) for ref, ring in zip(score_refs, score_smem)]
     if decay:
-      chunk.append((g_ref.at[b, rows, h] if vector else g_ref.at[b, h, rows], g_smem))
+      chunk.append((g_ref.at[b, h, c] if vector else g_ref.at[b, h, rows], g_smem))
     return chunk
 
   pl.when(wg == 1)(functools.partial(stream_chunks, num_chunks, stages, sources, ready, free))
@@ -211,30 +234,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
         v_tile[...] = u.astype(dtype)
         mb.plgpu.commit_smem()
 
-      def anchor_operands():
-        """Vector kind: Q 2^(g - g_m) and K 2^(g_m - g) for the scores; Q 2^g
-        and K 2^(g_last - g) over the slot's q and k (FEATURE_SLICE columns
-        at a time: a [C, Dk] float32 tile is 64 registers a thread)."""
-        anchored_q, anchored_k = scaled_smem
-        for first in range(0, q_tile.shape[-1], FEATURE_SLICE):
-          cols = pl.ds(first, FEATURE_SLICE)
-          shape = (CHUNK, FEATURE_SLICE)
-          g = mb.load_ref(g_smem.at[slot, :, cols], layout=tile_layout, optimized=False)
-          g_at = lambda row: lax.broadcast_in_dim(
-              mb.load_ref(g_smem.at[slot, row, cols], layout=column_layout,
-                          optimized=False), shape, (1,))
-          g_anchor, g_last = g_at(ANCHOR), g_at(CHUNK - 1)
-          q = mb.load_ref(q_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
-          k = mb.load_ref(k_tile.at[:, cols], layout=tile_layout).astype(jnp.float32)
-          anchored_q.at[:, cols][...] = (q * jnp.exp2(g - g_anchor)).astype(dtype)
-          anchored_k.at[:, cols][...] = (k * jnp.exp2(g_anchor - g)).astype(dtype)
-          q_tile.at[:, cols][...] = (q * jnp.exp2(g)).astype(dtype)
-          k_tile.at[:, cols][...] = (k * jnp.exp2(g_last - g)).astype(dtype)
-        mb.plgpu.commit_smem()
-        return anchored_q, anchored_k
-
       def chunk(s_ref, o_ref):
-        score_q, score_k = anchor_operands() if vector else (q_tile, k_tile)
+        score_q, score_k = ([ring.at[slot] for ring in score_smem] if vector
+                            else (q_tile, k_tile))
         mb.plgpu.wgmma(s_ref, score_q, score_k.T)
         mb.plgpu.wgmma(o_ref, q_tile, state_smem)
         values = v_tile
@@ -243,14 +245,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
           g_last = g_smem[slot, CHUNK - 1]
           to_end = lax.broadcast_in_dim(jnp.exp2(g_last - g_rows), (CHUNK, BLOCK_V), (0,))
           v = mb.load_ref(v_tile, layout=tile_layout).astype(jnp.float32)
-          scaled_smem[0][...] = (v * to_end).astype(dtype)
+          values_smem[...] = (v * to_end).astype(dtype)
           mb.plgpu.commit_smem()
-          values = scaled_smem[0]
+          values = values_smem
         s = s_ref[...]
         shape = (CHUNK, CHUNK)
         causal = mb.tile_indices(0, shape, 0) >= mb.tile_indices(0, shape, 1)
         if vector:  # the state decays per Dk row
-          g_last = mb.load_ref(g_smem.at[slot, CHUNK - 1], layout=row_layout, optimized=False)
+          g_last = mb.load_ref(g_smem.at[slot], layout=row_layout, optimized=False)
           state_ref[...] = state_ref[...] * lax.broadcast_in_dim(
               jnp.exp2(g_last), state_ref.shape, (0,))
         elif decay:
@@ -301,11 +303,11 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
   d_v = v.shape[-1]
   num_chunks = seq_len // CHUNK
   delta = pseudo_keys is not None
-  decays = ()
+  streamed = ()  # beyond q, k, v (and W): the vector kind's score operands, then g
   if decay_kind == "scalar":
-    decays = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
+    streamed = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
   elif decay_kind == "vector":
-    decays = (log_decay_cum,)
+    q, k, *streamed = anchored_operands(q, k, log_decay_cum)
   transforms = mb.smem_transforms()
   smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
 
@@ -319,16 +321,15 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
       scratch += [mb.plgpu.SMEM((stages, CHUNK), jnp.float32),
                   smem((CHUNK, BLOCK_V), v.dtype)]          # 2^(g_last - g) V
     elif decay_kind == "vector":
-      scratch += [mb.plgpu.SMEM((stages, CHUNK, d_feature), jnp.float32),
-                  smem((CHUNK, d_feature), q.dtype),        # Q 2^(g - g_m)
-                  smem((CHUNK, d_feature), k.dtype)]        # K 2^(g_m - g)
+      scratch += [smem((stages, CHUNK, d_feature), q.dtype),  # Q 2^(g - g_m)
+                  smem((stages, CHUNK, d_feature), k.dtype),  # K 2^(g_m - g)
+                  mb.plgpu.SMEM((stages, d_feature), jnp.float32)]  # g_last
     return scratch + [smem((d_feature, BLOCK_V), q.dtype),  # the state entering the chunk
                       smem((CHUNK, BLOCK_V), q.dtype),      # the output chunk
-                      mb.plgpu.Barrier(num_arrivals=3 + delta + len(decays),
+                      mb.plgpu.Barrier(num_arrivals=3 + delta + len(streamed),
                                        num_barriers=stages),
                       mb.plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
 
-  # KDA (W beside per-feature gates) fits one slot at Dk 128.
   stages = mb.deepest_ring(scratch_for, min(stages, num_chunks))
   scratch = scratch_for(stages)
   out_type = [jax.ShapeDtypeStruct((batch, seq_len, heads, d_v), q.dtype),
@@ -349,7 +350,7 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
       thread_name="wg",
       compiler_params=mb.compiler_params(False),
   )
-  outputs = kernel(q, k, v, *((pseudo_keys,) if delta else ()), *decays,
+  outputs = kernel(q, k, v, *((pseudo_keys,) if delta else ()), *streamed,
                    initial_state.astype(jnp.float32))
   o, final_state = outputs[:2]
   return o, final_state, (outputs[2] if store_states else None)
