@@ -82,6 +82,25 @@ def test_sequence_order_errors(kwargs, match):
     pa.distributed.zigzag_order(x, 3)
 
 
+def test_default_head_groups_bound_the_key_block():
+  """The ring's default groups: the fewest (dividing the key heads) whose
+  key block per device is at most GROUP_BLOCK_BYTES; one for short shards."""
+  ring = pa.distributed.ring
+  groups = lambda seq, heads, dtype=jnp.bfloat16: ring.default_head_groups(
+      jax.ShapeDtypeStruct((1, seq, heads, 128), dtype))
+  assert ring.GROUP_BLOCK_BYTES == 32 << 20
+  assert groups(4096, 16) == 1            # 16 MiB of keys
+  assert groups(65536, 16) == 8           # 256 MiB: 8 groups of 2 heads
+  assert groups(65536, 8) == 4
+  assert groups(65536, 16, jnp.float32) == 16
+  assert groups(1 << 20, 2) == 2          # never more groups than heads
+  assert groups(65536, 12) == 6           # 2 heads of 16 MiB a group
+  mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])
+  x = jnp.ones((1, 8, 2, 16))
+  with pytest.raises(ValueError, match="head_groups .* divisor"):
+    pa.context_parallel_attention(x, x, x, mesh=mesh, seq_axis="seq", head_groups=3)
+
+
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_distributed_compiled_on_local_gpus():

@@ -160,6 +160,30 @@ def test_gates_in_range_bounds_the_anchored_factors():
   assert not bool(mosaic_forward.gates_in_range(strong))
 
 
+def test_anchored_operands_carry_the_per_feature_decays():
+  """The operands the kernel streams for per-feature gates: the scores' pair
+  multiplies out to sum_d q_id k_jd 2^(g_id - g_jd) within each chunk (at
+  i >= j, the scores the kernel keeps), the
+  state's to Q 2^g and K 2^(g_last - g), g_last per chunk [B, H, S / C, Dk]."""
+  chunk, batch, heads, width = mosaic_forward.CHUNK, 2, 3, 8
+  shape = (batch, 2 * chunk, heads, width)
+  q, k = (random(shape, jnp.float32, seed) for seed in (0, 1))
+  steps = -jax.random.uniform(jax.random.key(2), shape, jnp.float32, 0.0, 0.3)
+  g = jnp.cumsum(steps.reshape(batch, 2, chunk, heads, width), axis=2).reshape(shape)
+  q_state, k_update, q_scores, k_scores, g_last = mosaic_forward.anchored_operands(q, k, g)
+  chunked = lambda x: x.reshape(batch, 2, chunk, heads, width)
+  gc = chunked(g)
+  want = jnp.einsum("bcihd,bcjhd->bchij", chunked(q) * jnp.exp2(gc), chunked(k) * jnp.exp2(-gc))
+  got = jnp.einsum("bcihd,bcjhd->bchij", chunked(q_scores), chunked(k_scores))
+  causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+  np.testing.assert_allclose(jnp.where(causal, got, 0), jnp.where(causal, want, 0), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(chunked(q_state), chunked(q) * jnp.exp2(gc), rtol=1e-6)
+  np.testing.assert_allclose(chunked(k_update),
+                             chunked(k) * jnp.exp2(gc[:, :, -1:] - gc), rtol=1e-6)
+  np.testing.assert_array_equal(g_last, jnp.transpose(gc[:, :, -1], (0, 2, 1, 3)))
+
+
 @pytest.mark.hopper
 def test_feature_maps_on_mosaic_and_normalize_on_triton():
   """Feature maps run before the kernel, so Mosaic takes them; normalize's
