@@ -78,11 +78,15 @@ def _hopper() -> bool:
 
 def pytest_collection_modifyitems(config, items):
   """The one place GPU-only tests are skipped: `gpu` (compiled kernels),
-  `hopper` (compiled Mosaic GPU kernels) and `multi_gpu` (two GPUs or more)."""
+  `hopper` (compiled Mosaic GPU kernels) and `multi_gpu` (two GPUs or more).
+  `hopper` and `multi_gpu` tests are `gpu` tests too, so that `-m gpu`
+  selects every compiled test (it had left out the Mosaic linear suite)."""
   reasons = {"gpu": None if ON_GPU else "needs a GPU (compiled kernels)",
              "hopper": None if _hopper() else "needs a Hopper GPU (Mosaic GPU compiled)",
              "multi_gpu": None if ON_GPU and jax.device_count() >= 2 else "needs 2+ GPUs"}
   for item in items:
+    if ("hopper" in item.keywords or "multi_gpu" in item.keywords) and "gpu" not in item.keywords:
+      item.add_marker(pytest.mark.gpu)
     why = next((reason for marker, reason in reasons.items()
                 if reason and marker in item.keywords), None)
     if why:
