@@ -24,8 +24,7 @@ and the chunk is then ordinary decayed linear attention with values U. So:
 
 On Hopper an undifferentiated call runs 2. and 3. as one Mosaic GPU kernel
 (`delta_rule_forward_mosaic`): it computes U = U~ - W S per chunk from the
-state it carries in registers (with per-feature gates, KDA, in one ring
-slot: two would outgrow shared memory).
+state it carries in registers.
 """
 from __future__ import annotations
 
