@@ -30,8 +30,9 @@ def check_qkv(q, k, v, *, k_name: str = "k", v_name: str = "v",
     if x.dtype not in SUPPORTED_DTYPES and not (fp8_cache and i and is_fp8(x)):
       fp8 = " (and float8_e4m3fn / float8_e5m2 for a decoding cache)" if fp8_cache else ""
       if is_fp8(x) and not fp8_cache:
-        fp8 = (". fp8 runs only as a decoding cache (decode_attention / paged_attention with "
-               "k_descale / v_descale); dequantize it here: x.astype(jnp.bfloat16) * descale")
+        fp8 = (". fp8 runs as q, k and v all of one fp8 dtype (attention with q_descale / "
+               "k_descale / v_descale) or as a decoding cache (decode_attention / "
+               "paged_attention with k_descale / v_descale)")
       raise TypeError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, "
                       f"float16{fp8}")
   if is_fp8(k) or is_fp8(v):
@@ -83,6 +84,32 @@ def resolve_sinks(sinks, analysis: VariantAnalysis, heads: int):
   if not jnp.issubdtype(sinks.dtype, jnp.floating):
     raise TypeError(f"sinks must be floating point; got {sinks.dtype}")
   return sinks
+
+
+def check_fp8_prefill(q, k, v, q_descale, k_descale, v_descale):
+  """Whether q, k, v are an fp8 prefill (all of one fp8 dtype; the descales
+  are then checked: float32 scalars or `[B, Hq]` for q, `[B, Hkv]` for k and
+  v); raises for a mix of fp8 and other dtypes, and for descales of non-fp8
+  inputs."""
+  given = [x for x in (q, k, v) if hasattr(x, "dtype")]
+  fp8 = [is_fp8(x) for x in given]
+  if not any(fp8):
+    if any(d is not None for d in (q_descale, k_descale, v_descale)):
+      raise TypeError("q_descale / k_descale / v_descale scale fp8 inputs (real values are "
+                      f"x.astype(float32) * descale); q has dtype {q.dtype}")
+    return False
+  if not all(fp8) or len(given) != 3 or not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"fp8 attention takes q, k and v all of one fp8 dtype; got {q.dtype}, "
+                    f"{k.dtype}, {v.dtype} (an fp8 cache against a 16-bit query is "
+                    "decode_attention's / paged_attention's)")
+  for name, x, heads in (("q_descale", q_descale, q.shape[2]),
+                         ("k_descale", k_descale, k.shape[2]),
+                         ("v_descale", v_descale, v.shape[2])):
+    shape = getattr(x, "shape", ())
+    if x is not None and tuple(shape) not in ((), (q.shape[0], heads)):
+      raise ValueError(f"{name} must be a scalar or [B, H] = [{q.shape[0]}, {heads}] (one per "
+                       f"sequence and head); got shape {tuple(shape)}")
+  return True
 
 
 def descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cache"):

@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import _inputs, _templates
+from pallas_attn import _inputs, _templates, fp8
 from pallas_attn import split_kv as split_kv_lib
 from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
@@ -51,7 +51,8 @@ def resolve_config(config, arg_name: str, template: Template, analysis: VariantA
 
 def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
               sinks=None, block_mask=None, config=None, bwd_config=None, interpret=None,
-              implementation=None, return_lse=False):
+              implementation=None, return_lse=False, q_descale=None, k_descale=None,
+              v_descale=None):
   """Attention with a user-defined variant, as one fused Pallas kernel.
 
   Layout as `jax.nn.dot_product_attention`: q `[B, Sq, Hq, Dqk]`, k
@@ -97,6 +98,13 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
     return_lse: also return the row statistic `[B, Hq, Sq]` float32:
       log-sum-exp for softmax (the sink's term included), the divisor h(stats) for normalized
       rownorms, None for elementwise rownorms.
+    q_descale, k_descale, v_descale: with q, k, v all of one fp8 dtype
+      (FlashAttention-3's names): real values are `x.astype(float32) *
+      descale`, each descale None (1), a float32 scalar or `[B, Hq]` (q) /
+      `[B, Hkv]` (k, v); score_mod and friends see the real scores and the
+      output is bfloat16 (`pallas_attn.quantize_fp8` makes such inputs).
+      Forward only. For now the inputs are dequantized to bfloat16 before
+      the kernels (`fp8.PREFILL_NOTE`): the bfloat16 rate, not fp8's.
 
   Masked positions get weight 0 under every rownorm and add nothing to row
   statistics; a row whose positions are all masked returns zeros (lse -inf).
@@ -110,12 +118,17 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   split-KV decoding template (`decode_attention`'s; `pallas-attn explain`
   says which ran); differentiated, such a call runs the parallel template.
   """
+  output_factor = None
+  if _inputs.check_fp8_prefill(q, k, v, q_descale, k_descale, v_descale):
+    q, k, v, output_factor = fp8.dequantized(q, k, v, q_descale, k_descale, v_descale)
   call, consts, block_masks, sinks, core = _prepare(
       q, k, v, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
       sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
       interpret=interpret, implementation=implementation, allow_split_kv=True)
   with backend.triton_deprecation_ignored():
     out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
+  if output_factor is not None:
+    out = (out.astype(jnp.float32) * output_factor[:, None, :, None]).astype(out.dtype)
   if not return_lse:
     return out
   return out, (None if call.analysis.rownorm.kind == "elementwise" else stat)

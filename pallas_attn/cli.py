@@ -29,6 +29,7 @@ from pallas_attn.tuning import (ATTENTION_TEMPLATES, LINEAR_DECAYS, LINEAR_MODES
                                 linear_decay_shape, tune_attention, tune_linear_attention)
 
 DTYPES = ("bfloat16", "float16", "float32")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # explain only: an fp8 prefill's q, k, v
 _FILE_NAMES = ("score_mod", "mask_mod", "rownorm")
 
 
@@ -217,6 +218,9 @@ def _describe_terms(template: str, analysis, shape: ProblemShape, config) -> str
 def cmd_explain(args) -> int:
   from pallas_attn.schedule.device import device_config
   from pallas_attn.spec.analysis import analyze_variant
+  fp8_prefill = args.dtype in FP8_DTYPES
+  if fp8_prefill:  # the kernels see the dequantized bfloat16 inputs
+    args.dtype = "bfloat16"
   shape = _shape(args)
   variant = load_variant(args.variant, shape)
   sinks = variant.pop("sinks", None)
@@ -235,6 +239,9 @@ def cmd_explain(args) -> int:
     print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))
   if sinks is not None:
     print(f"sinks: {list(sinks.shape)} logits, one per query head, start each row's softmax state")
+  if fp8_prefill:
+    from pallas_attn import fp8
+    print(fp8.PREFILL_NOTE)
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
   for template in args.templates or running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)
@@ -325,7 +332,7 @@ def cmd_cache(args) -> int:
   return 0
 
 
-def _add_shape_args(parser: argparse.ArgumentParser, seq: int) -> None:
+def _add_shape_args(parser: argparse.ArgumentParser, seq: int, dtypes=DTYPES) -> None:
   group = parser.add_argument_group("shape")
   group.add_argument("--batch", type=_positive_int, default=1)
   group.add_argument("--heads", type=_positive_int, default=8, help="query heads")
@@ -336,7 +343,7 @@ def _add_shape_args(parser: argparse.ArgumentParser, seq: int) -> None:
                      help="default: --seq-q")
   group.add_argument("--d-qk", type=_positive_int, default=64)
   group.add_argument("--d-v", type=_positive_int, default=None, help="default: --d-qk")
-  group.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+  group.add_argument("--dtype", choices=dtypes, default="bfloat16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   explain = commands.add_parser("explain", help="show what the compiler decides for a variant")
   explain.add_argument("variant", help=variant_help)
-  _add_shape_args(explain, seq=1024)
+  _add_shape_args(explain, seq=1024, dtypes=DTYPES + FP8_DTYPES)
   explain.add_argument("--templates", nargs="+", choices=ATTENTION_TEMPLATES, default=None,
                        help="default: the forward and backward templates that run here")
   explain.add_argument("--verbose", action="store_true",

@@ -1,8 +1,10 @@
-"""fp8 KV caches: `quantize_fp8` turns a cache into fp8 values and the
-descales `decode_attention` / `paged_attention` take (real values are
-`x.astype(float32) * descale`, FlashAttention-3's convention)."""
+"""fp8 inputs: `quantize_fp8` turns a cache (or q, k, v) into fp8 values and
+the descales `decode_attention` / `paged_attention` / `attention` take (real
+values are `x.astype(float32) * descale`, FlashAttention-3's convention);
+`dequantized` is the fp8 prefill's way in to the 16-bit kernels."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_attn import _inputs
@@ -11,8 +13,9 @@ GRANULARITIES = ("tensor", "head")
 
 
 def quantize_fp8(x, *, per: str = "head", dtype=jnp.float8_e4m3fn):
-  """(x in `dtype`, its float32 descale) for a `[B, S, H, D]` cache (or a
-  `[num_pages, page_size, H, D]` pool with `per="tensor"`).
+  """(x in `dtype`, its float32 descale) for a `[B, S, H, D]` cache or q, k,
+  v of an fp8 prefill (or a `[num_pages, page_size, H, D]` pool with
+  `per="tensor"`).
 
   per="head": one descale per sequence and head, `[B, H]`, from the largest
   magnitude of that head's keys (or values); per="tensor": one scalar. The
@@ -30,3 +33,46 @@ def quantize_fp8(x, *, per: str = "head", dtype=jnp.float8_e4m3fn):
   scale = descale[:, None, :, None] if per == "head" else descale
   limit = float(jnp.finfo(dtype).max)
   return jnp.clip(x / scale, -limit, limit).astype(dtype), descale.astype(jnp.float32)
+
+
+PREFILL_NOTE = ("fp8 q / k / v: dequantized to bfloat16 before the kernels (q's and k's "
+                "descales folded into q, v's into the output); no fp8 tensor-core template "
+                "yet, so the call runs at bfloat16's rate plus one conversion pass")
+
+
+def _per_head(descale, batch: int, heads: int):
+  """A descale (None, a scalar or [B, H]) as [B, H] float32."""
+  x = jnp.ones((), jnp.float32) if descale is None else jnp.asarray(descale, jnp.float32)
+  return jnp.broadcast_to(x, (batch, heads))
+
+
+@jax.custom_vjp
+def _forward_only(x):
+  return x
+
+
+def _no_gradient(x):
+  return x, None
+
+
+def _refuse_gradient(_, cotangent):
+  raise ValueError("fp8 attention is forward only (FlashAttention-3's fp8 path is too): "
+                   "differentiate a bfloat16 call, e.g. on x.astype(jnp.bfloat16) * descale")
+
+
+_forward_only.defvjp(_no_gradient, _refuse_gradient)
+
+
+def dequantized(q, k, v, q_descale, k_descale, v_descale):
+  """(q', k', v' in bfloat16, the output's [B, Hq] float32 factor) of an fp8
+  prefill: scores from q' and k' are the real ones (q' = q * q_descale *
+  k_descale of its kv head, rounded once to bfloat16; k' and v' exact), and
+  the output times v's descale of each query head's kv head is the real
+  output (every rownorm weighs v linearly). Differentiating raises."""
+  batch, _, heads, _ = q.shape
+  group = heads // k.shape[2]
+  kv_of_head = lambda x: jnp.repeat(_per_head(x, batch, k.shape[2]), group, axis=1)
+  q_factor = _per_head(q_descale, batch, heads) * kv_of_head(k_descale)
+  q, k, v = (_forward_only(x) for x in (q, k, v))
+  q = (q.astype(jnp.float32) * q_factor[:, None, :, None]).astype(jnp.bfloat16)
+  return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), kv_of_head(v_descale)

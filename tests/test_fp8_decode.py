@@ -115,5 +115,5 @@ def test_fp8_errors():
   for args, kwargs, error, match in cases:
     with pytest.raises(error, match=match):
       pa.decode_attention(*args, LENGTHS, interpret=True, **kwargs)
-  with pytest.raises(TypeError, match="fp8 runs only as a decoding cache"):
-    pa.attention(q, k8, v8, interpret=True)  # prefill takes no fp8 yet
+  with pytest.raises(TypeError, match="all of one fp8 dtype"):
+    pa.attention(q, k8, v8, interpret=True)  # prefill: q, k and v all fp8
