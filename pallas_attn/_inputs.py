@@ -124,9 +124,14 @@ def descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cache"):
     return None
   scales = []
   for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
-    x = jnp.ones((), jnp.float32) if x is None else jnp.asarray(x, jnp.float32)
-    if x.shape not in ((), (batch, heads_kv)):
+    if x is not None and jnp.shape(x) not in ((), (batch, heads_kv)):
       raise ValueError(f"{name} must be a scalar or [B, Hkv] = [{batch}, {heads_kv}]; got "
-                       f"shape {x.shape}")
-    scales.append(jnp.broadcast_to(x, (batch, heads_kv)))
+                       f"shape {jnp.shape(x)}")
+    scales.append(per_head_descale(x, batch, heads_kv))
   return jnp.stack(scales, axis=-1)
+
+
+def per_head_descale(descale, batch: int, heads: int):
+  """A descale (None: 1, a scalar or `[B, H]`) as `[B, H]` float32."""
+  x = jnp.ones((), jnp.float32) if descale is None else jnp.asarray(descale, jnp.float32)
+  return jnp.broadcast_to(x, (batch, heads))

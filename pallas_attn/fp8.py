@@ -40,12 +40,6 @@ PREFILL_NOTE = ("fp8 q / k / v: dequantized to bfloat16 before the kernels (q's 
                 "yet, so the call runs at bfloat16's rate plus one conversion pass")
 
 
-def _per_head(descale, batch: int, heads: int):
-  """A descale (None, a scalar or [B, H]) as [B, H] float32."""
-  x = jnp.ones((), jnp.float32) if descale is None else jnp.asarray(descale, jnp.float32)
-  return jnp.broadcast_to(x, (batch, heads))
-
-
 @jax.custom_vjp
 def _forward_only(x):
   return x
@@ -70,9 +64,12 @@ def dequantized(q, k, v, q_descale, k_descale, v_descale):
   the output times v's descale of each query head's kv head is the real
   output (every rownorm weighs v linearly). Differentiating raises."""
   batch, _, heads, _ = q.shape
-  group = heads // k.shape[2]
-  kv_of_head = lambda x: jnp.repeat(_per_head(x, batch, k.shape[2]), group, axis=1)
-  q_factor = _per_head(q_descale, batch, heads) * kv_of_head(k_descale)
+  kv_heads = k.shape[2]
+
+  def kv_of_head(descale):  # [B, Hkv] -> [B, Hq]: each query head's kv head's
+    return jnp.repeat(_inputs.per_head_descale(descale, batch, kv_heads), heads // kv_heads,
+                      axis=1)
+  q_factor = _inputs.per_head_descale(q_descale, batch, heads) * kv_of_head(k_descale)
   q, k, v = (_forward_only(x) for x in (q, k, v))
   q = (q.astype(jnp.float32) * q_factor[:, None, :, None]).astype(jnp.bfloat16)
   return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), kv_of_head(v_descale)

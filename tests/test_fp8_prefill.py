@@ -18,8 +18,9 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 def inputs(seq_q=37, seq_kv=50, heads=4, kv_heads=2, d=32, seed=0):
   """float32 q, k, v (Sq != Skv, GQA) whose heads differ in scale, k with an outlier channel."""
   rng = np.random.default_rng(seed)
-  q = rng.standard_normal((2, seq_q, heads, d)) * np.array([0.5, 2.0, 1.0, 3.0])[None, None, :heads, None]
-  k, v = (rng.standard_normal((2, seq_kv, kv_heads, d)) * np.array([0.3, 4.0])[None, None, :kv_heads, None]
+  head_scales = lambda *s: np.array(s)[None, None, :, None]
+  q = rng.standard_normal((2, seq_q, heads, d)) * head_scales(0.5, 2.0, 1.0, 3.0)[:, :, :heads]
+  k, v = (rng.standard_normal((2, seq_kv, kv_heads, d)) * head_scales(0.3, 4.0)[:, :, :kv_heads]
           for _ in range(2))
   k[..., 3] *= 20.0
   return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
