@@ -296,9 +296,6 @@ def context_parallel_cases(num):
                                   expect_live=2 * steps)),
       ("document ids + causal, zigzag", dict(kwargs=causal.kwargs(), segment_ids=ids,
                                              reference_kwargs=document.kwargs())),
-      ("document ids + causal, zigzag, two head groups (GQA)", dict(
-          kwargs=causal.kwargs(), segment_ids=ids, reference_kwargs=document.kwargs(),
-          head_groups=2)),
       ("document ids + causal, inputs in zigzag order", dict(
           kwargs=causal.kwargs(), segment_ids=ids, reference_kwargs=document.kwargs(),
           preordered=True)),
@@ -306,8 +303,9 @@ def context_parallel_cases(num):
                                           expect_live=2 * (2 * num - 1))),
       ("ALiBi + causal + sinks, zigzag, bf16",
        dict(kwargs=alibi.kwargs(), sinks=jnp.linspace(-1.0, 2.0, 4), dtype=jnp.bfloat16)),
-      ("ALiBi + causal + sinks, zigzag, two head groups",
-       dict(kwargs=alibi.kwargs(), sinks=jnp.linspace(-1.0, 2.0, 4), head_groups=2)),
+      ("ALiBi + document ids + causal + sinks, two head groups (GQA)", dict(
+          kwargs=alibi.kwargs(), segment_ids=ids, sinks=jnp.linspace(-1.0, 2.0, 4),
+          reference_kwargs=(variants.alibi(num_heads=4) + document).kwargs(), head_groups=2)),
       ("sigmoid, batch split too", dict(kwargs=dict(
           rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b),
           split_batch=True)),
