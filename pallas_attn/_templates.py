@@ -27,8 +27,7 @@ dense reference it is tested against, the config dataclass it tunes):
 from pallas_attn.kernels import mosaic_forward, parallel_forward
 from pallas_attn.kernels.decode_forward import TEMPLATE as DECODE
 from pallas_attn.kernels.linear.chunked_forward import TEMPLATE as LINEAR_FORWARD
-from pallas_attn.kernels.linear.delta_rule import PER_FEATURE_TEMPLATE as DELTA_RULE_PER_FEATURE
-from pallas_attn.kernels.linear.delta_rule import TEMPLATE as DELTA_RULE
+from pallas_attn.kernels.linear.delta_rule import TEMPLATES as DELTA_RULE  # by decay kind
 from pallas_attn.kernels.lowering import MOSAIC_GPU, TRITON
 from pallas_attn.vjp import mosaic_backward, parallel_backward
 from pallas_attn.vjp.linear_backward import TEMPLATE as LINEAR_BACKWARD

@@ -132,11 +132,10 @@ def _kernel_decay_kind(kind: str) -> str:
 
 def tuned_template(spec: spec_lib.LinearAttentionSpec) -> Template:
   """The template whose config (LinearAttentionConfig) tiles this call: the
-  chunked passes, or the delta rule's (per-feature decays apart)."""
+  chunked passes, or the delta rule's for its decay kind."""
   if spec.state_update != spec_lib.UPDATE_DELTA:
     return _templates.LINEAR_FORWARD
-  return (_templates.DELTA_RULE_PER_FEATURE if spec.decay_kind == spec_lib.DECAY_VECTOR
-          else _templates.DELTA_RULE)
+  return _templates.DELTA_RULE[_kernel_decay_kind(spec.decay_kind)]
 
 
 def tile_shapes(spec: spec_lib.LinearAttentionSpec) -> tuple[tuple, tuple, tuple]:

@@ -310,8 +310,8 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
   With `delta` (the delta rule; all Dk rows in the tile) forwards, y holds
   the pseudo-values U~ and the chunk's values are U~ - W S, S the entering
   state, stored to `values_ref`. In reverse the state is dS and the value
-  cotangents dU = dU_local + (K 2^(g_last - g)) dS feed back into it as
-  -W^T dU.
+  cotangents dU = dU_local + (K 2^(g_last - g)) dS, stored to `values_ref`,
+  feed back into it as -W^T dU.
   """
   x_ref, y_ref, *refs = refs
   w_ref = refs.pop(0) if delta else None
@@ -342,6 +342,7 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
                         None if g is None else g_last - g)
       d_values = local_ref[rows, :].astype(jnp.float32) + mm(
           keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
+      values_ref[0][rows, :] = d_values.astype(values_ref[0].dtype)
       correction = mm(w_ref[rows, :].T, d_values.astype(w_ref.dtype))
     if g is not None:
       state = (jnp.exp2(g_last).T if decay_kind == "vector"
@@ -377,7 +378,8 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   its state tile (W S contracts over them). In reverse (x = q, y = dO) the
   delta rule also needs `keys` (k) and `local_d_values` (scale P^T dO, P
   the chunk's decayed causal Q K^T): the stored cotangents then include
-  what flows back through U = U~ - W S.
+  what flows back through U = U~ - W S, and the value cotangents dU are
+  returned as a third output [B, S, H, Dv] in y's dtype.
   """
   batch, seq_len, heads, d_feature = x.shape
   d_v = y.shape[-1]
@@ -418,7 +420,7 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   out_specs = [pl.BlockSpec((None, None, num_chunks, block_k, block_v),
                             lambda b, h, i, j: (b, h, 0, i, j)),
                tile_spec]
-  if delta and not reverse:
+  if delta:
     out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
     out_specs.append(in_specs[1])
   kernel = functools.partial(

@@ -241,8 +241,9 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
   """The delta rule on padded inputs (as `chunked_forward`; beta [B, S, H],
   log_decay the *step* log decays or None). Returns (o, final state
   [B, H, Dk, Dv] float32, and for the backward the states entering each
-  chunk [B, H, S / C, Dk, Dv] in k's dtype, W [B, S, H, Dk] and, with
-  `keep_transforms`, T [B, S, H, C] (else None))."""
+  chunk [B, H, S / C, Dk, Dv] in k's dtype, W [B, S, H, Dk], the values
+  U [B, S, H, Dv] in v's dtype and, with `keep_transforms`, T [B, S, H, C]
+  (else None))."""
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
   pseudo_keys, pseudo_values, *kept = ut_transform(
       k, v, beta, log_decay_cum, schedule, keep_transforms=keep_transforms)
@@ -250,7 +251,8 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
       k, pseudo_values, log_decay_cum, initial_state, schedule,
       reverse=False, pseudo_keys=pseudo_keys)
   o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
-  return o, final_state, chunk_states, pseudo_keys, kept[0] if kept else None
+  return (o, final_state, chunk_states, pseudo_keys, values,
+          kept[0] if kept else None)
 
 
 def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
@@ -286,19 +288,18 @@ def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
 
 class DeltaRuleTemplate(LinearForwardTemplate):
   """The chunked template with the delta state update: its own heuristic,
-  one instance per decay class (their kernels differ).
+  one instance per decay class (their kernels and best chunks differ).
 
-  A chunk's T costs elimination steps over [C, C], and the gradient kernel
-  products with the whole state per chunk. On an H200 (2026-11-26, B4
-  S4096 H16 Dk = Dv = 128, bf16, kernel time) 32-token chunks beat 64 for
-  DeltaNet (forward 0.48 against 0.55 ms, forward+backward 2.2 against 2.6)
-  and Gated DeltaNet (0.51 / 0.59, 3.5 / 5.4). KDA's per-feature decays
-  pair rows around anchor rows on the tensor cores (`per_feature_pairs`):
-  its gradient kernel, the slowest pass, runs best on 16-token chunks
-  (forward+backward 7.5 ms against 10.2 at 32 and 4 warps; at 8 warps 7.9
-  and 13.8), and 64's asks for 288 KiB of shared memory at d 128, more
-  than a Hopper SM has. The gradient kernel's warps depend on the decay
-  kind (vjp/delta_rule_backward.py, `GRADIENT_WARPS`).
+  A chunk's T costs elimination steps over [C, C]; the backward's kernels
+  read the whole state per chunk. On an H200 (2026-11-27, B4 S4096 H16 Dk
+  = Dv = 128, bf16, forward+backward kernel time, the backward's warps of
+  vjp/delta_rule_backward.py): DeltaNet 1.36 ms on 32-token chunks against
+  1.41 on 64; Gated DeltaNet 1.78 on 64 (on 32 its transform-gradient
+  kernel ran 8-16 ms, at every warp count tried); KDA 3.32 on 16 (32: 3.84
+  at best). KDA's per-feature decays pair rows around anchor rows on the
+  tensor cores (`per_feature_pairs`), and 64-token chunks ask for more
+  shared memory than a Hopper SM has at d 128. An undifferentiated call on
+  Hopper runs the Mosaic GPU forward in its own 64-token chunks.
   """
 
   def __init__(self, name: str, chunk_size: int):
@@ -312,6 +313,8 @@ class DeltaRuleTemplate(LinearForwardTemplate):
         num_stages=2)
 
 
-TEMPLATE = register(DeltaRuleTemplate("delta_rule_forward", 32))
-PER_FEATURE_TEMPLATE = register(
-    DeltaRuleTemplate("delta_rule_forward_per_feature_decay", 16))
+# One template per decay kind ("none", "scalar", "vector").
+TEMPLATES = {kind: register(DeltaRuleTemplate(name, chunk)) for kind, name, chunk in (
+    ("none", "delta_rule_forward", 32),
+    ("scalar", "delta_rule_forward_scalar_decay", 64),
+    ("vector", "delta_rule_forward_per_feature_decay", 16))}
