@@ -21,6 +21,8 @@ from pallas_attn.vjp import delta_rule_backward
 # The module (the package re-exports a function of the same name).
 chunked_forward = importlib.import_module(
     "pallas_attn.kernels.linear.chunked_forward")
+delta_rule = importlib.import_module("pallas_attn.kernels.linear.delta_rule")
+mosaic_forward = importlib.import_module("pallas_attn.kernels.linear.mosaic_forward")
 
 B, S, H, DK, DV = 1, 40, 2, 16, 24  # S is not a multiple of the chunk
 CHUNK = 16
@@ -107,6 +109,25 @@ def test_state_pass_in_several_value_blocks(monkeypatch):
   o_ref, state_ref = delta_rule_reference(q, k, v, beta, log_decay=log_decay)
   assert_close(o, o_ref)
   assert_close(state, state_ref)
+
+
+@pytest.mark.parametrize("dtype, strength", [(jnp.float32, 1.0), (jnp.float32, 2.0),
+                                             (jnp.bfloat16, 1.0)])
+def test_anchored_ut_transform_matches_per_feature_pairs(dtype, strength):
+  """KDA's UT transform in the Mosaic forward's chunks, by block substitution
+  around one anchor row, gives the W and U~ of the per-feature pairing (gates
+  twice the tests' make spans near SPAN_LIMIT over half a chunk)."""
+  chunk = mosaic_forward.CHUNK
+  _, k, v, beta, log_decay = _inputs("vector", dtype, seq_len=2 * chunk)
+  schedule = chunked_forward.ChunkedSchedule(
+      decay_kind="vector", scale=1.0, chunk_size=chunk, block_v=DV, num_warps=4,
+      num_stages=1, interpret=True, out_dtype=jnp.dtype(dtype).name)
+  g = chunked_forward.cumulative_log_decay(strength * log_decay, schedule)
+  assert bool(mosaic_forward.gates_in_range(g))
+  anchored = delta_rule.ut_transform(k, v, beta, g, schedule, anchored=True)
+  paired = delta_rule.ut_transform(k, v, beta, g, schedule)
+  for x, expected in zip(anchored, paired):
+    assert_close(x, expected, dtype)
 
 
 @pytest.mark.parametrize("kind", ["scalar", "vector"])

@@ -13,8 +13,10 @@ and the chunk is then ordinary decayed linear attention with values U. So:
 
 1. `ut_transform`, all chunks in parallel (one program per chunk and head):
    for the "none"/"scalar" kinds block forward substitution over
-   `UT_BLOCK`-row blocks of L, T and W, U~ (`_blocked_ut_transform`); for
-   per-feature decays L from `per_feature_pairs`, T by
+   `UT_BLOCK`-row blocks of L, T and W, U~ (`_blocked_ut_transform`), and
+   so for per-feature decays in the Mosaic forward's chunks, split around
+   one anchor row; elsewhere per-feature decays take L from
+   `per_feature_pairs` (any gate strength), T by
    `triangular.invert_unit_lower` on the whole [C, C], then W and U~ by two
    products.
 2. The template's sequential state pass in its delta form
@@ -135,15 +137,16 @@ UT_ROWS_PER_WARP = 32
 
 
 def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
-                         fp32_exact: bool):
+                         fp32_exact: bool, anchored: bool):
   """W and U~ of one chunk of one head (and its T, given a third output)."""
   k_ref, v_ref, beta_ref, *refs = refs
   g_ref = refs.pop(0) if decay_kind != "none" else None
   w_ref, u_ref, *t_ref = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
-  if decay_kind != "vector":
+  if decay_kind != "vector" or anchored:
     return _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref,
-                                 chunk=chunk, mm=mm, fp32_exact=fp32_exact)
+                                 chunk=chunk, mm=mm, fp32_exact=fp32_exact,
+                                 per_feature=decay_kind == "vector")
   k, dtype = k_ref[...], k_ref.dtype
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   g = g_ref[...]  # exp(g_id - g_jd) stays inside the sum over d
@@ -158,30 +161,43 @@ def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
 
 
 def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
-                          chunk: int, mm, fp32_exact: bool):
+                          chunk: int, mm, fp32_exact: bool, per_feature: bool):
   """The UT transform in `UT_BLOCK`-row blocks of the chunk: block forward
   substitution, T_ii = (I + L_ii)^-1 and T_ij = -T_ii sum_m L_im T_mj
   (j <= m < i), then W_i = sum_j T_ij (beta K 2^g)_j and U~ likewise. Only
   the blocks on and below the diagonal are computed, each from rows of the
-  inputs, where a [C, C] inverse spends its products on the whole square."""
+  inputs, where a [C, C] inverse spends its products on the whole square.
+
+  `per_feature` decays split around the chunk's row mosaic_forward.ANCHOR,
+  as the Mosaic forward's scores do: L's products are (K 2^(g - g_m))
+  (K 2^(g_m - g))^T, each factor within 2^SPAN_LIMIT where
+  `mosaic_forward.gates_in_range` holds (the caller's promise), and W's
+  rows K 2^g are formed directly."""
   block = min(UT_BLOCK, chunk)
   count, dtype = chunk // block, k_ref.dtype
   rows = [pl.ds(i * block, block) for i in range(count)]
   merge = functools.partial(backend.dot, fp32_exact=fp32_exact or EXACT_MERGES)
   keys = [k_ref[r, :] for r in rows]
   beta = [beta_ref[r].astype(jnp.float32)[:, None] for r in rows]
-  g = [None if g_ref is None else g_ref[r] for r in rows]
+  # Row log factors: [block, Dk] per feature, [block, 1] per step.
+  g = [None if g_ref is None else g_ref[r] if per_feature else g_ref[r][:, None]
+       for r in rows]
   own = strictly_lower(block)
+  if per_feature:
+    anchor = g_ref[mosaic_forward.ANCHOR, :][None, :]
+    left = [scale_rows(x.astype(jnp.float32), gi - anchor) for x, gi in zip(keys, g)]
+    right = [scale_rows(x.astype(jnp.float32), anchor - gi) for x, gi in zip(keys, g)]
 
   def lower(i, j):  # L_ij = beta_i (K_i K_j^T 2^(g_i - g_j)), strictly lower
-    products = mm(keys[i], keys[j], trans_b=True)
-    if g_ref is not None:  # g_i <= g_j off the diagonal block: no overflow
-      products = masked_rescale(products, g[i][:, None] - g[j][None, :],
-                                own if i == j else True)
+    if per_feature:  # the diagonal block's upper part may overflow: selected away
+      products = mm(left[i], right[j], trans_b=True)
+    else:
+      products = mm(keys[i], keys[j], trans_b=True)
+    if g_ref is not None and not per_feature:  # g_i <= g_j off the diagonal block
+      products = masked_rescale(products, g[i] - g[j].T, own if i == j else True)
     return jnp.where(own, beta[i] * products, 0.0) if i == j else beta[i] * products
 
-  scaled = lambda i, x: beta[i] * (x.astype(jnp.float32) if g_ref is None
-                                   else scale_rows(x.astype(jnp.float32), g[i][:, None]))
+  scaled = lambda i, x: beta[i] * scale_rows(x.astype(jnp.float32), g[i])
   transform = {}
   for i in range(count):
     diagonal = invert_unit_lower(lower(i, i), matmul=merge)
@@ -204,12 +220,14 @@ def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
 
 
 def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule, *,
-                 keep_transforms: bool = False):
+                 keep_transforms: bool = False, anchored: bool = False):
   """(W [B, S, H, Dk] in k's dtype, U~ [B, S, H, Dv] in v's dtype) of every
   chunk, and with `keep_transforms` each chunk's T as rows [B, S, H, C] in
   k's dtype (the precision its products take). k: [B, S, H, Dk]; v: [B, S,
   H, Dv]; beta: [B, S, H]; log_decay_cum: None, [B, S, H] or [B, S, H, Dk]
-  (base 2, cumulative)."""
+  (base 2, cumulative). `anchored`: per-feature decays of the Mosaic
+  forward's chunks that `mosaic_forward.gates_in_range` admits, transformed
+  by block substitution around one anchor row (`_blocked_ut_transform`)."""
   batch, seq_len, heads, d_feature = k.shape
   chunk = schedule.chunk_size
   rows = functools.partial(chunk_spec, chunk)
@@ -220,7 +238,7 @@ def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule, *,
     inputs.append(log_decay_cum)
   kernel = functools.partial(
       _ut_transform_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
-      fp32_exact=k.dtype == jnp.float32)
+      fp32_exact=k.dtype == jnp.float32, anchored=anchored)
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   out_specs = [rows(d_feature), rows(v.shape[-1])]
   if keep_transforms:
@@ -230,7 +248,7 @@ def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule, *,
       kernel, out_shape=out_shape,
       grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
       out_specs=out_specs,
-      num_warps=(schedule.num_warps if schedule.decay_kind == "vector"
+      num_warps=(schedule.num_warps if schedule.decay_kind == "vector" and not anchored
                  else max(1, chunk // UT_ROWS_PER_WARP)),
       num_stages=1, interpret=schedule.interpret,
       name=f"delta_rule_ut_transform_{schedule.decay_kind}")(*inputs)
@@ -273,7 +291,8 @@ def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
   log_decay_cum = cumulative_log_decay(log_decay, in_chunks)
 
   def mosaic():
-    pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum, in_chunks)
+    pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum, in_chunks,
+                                              anchored=schedule.decay_kind == "vector")
     o, final_state, _ = mosaic_forward.forward(
         q, k, pseudo_values, log_decay_cum, initial_state, decay_kind=schedule.decay_kind,
         scale=schedule.scale, store_states=False, stages=schedule.num_stages,
