@@ -115,7 +115,7 @@ def test_state_pass_in_several_value_blocks(monkeypatch):
                                              (jnp.bfloat16, 1.0)])
 def test_anchored_ut_transform_matches_per_feature_pairs(dtype, strength):
   """KDA's UT transform in the Mosaic forward's chunks, by block substitution
-  around one anchor row, gives the W and U~ of the per-feature pairing (gates
+  on keys scaled around one anchor row, gives the W and U~ of the per-feature pairing (gates
   twice the tests' make spans near SPAN_LIMIT over half a chunk)."""
   chunk = mosaic_forward.CHUNK
   _, k, v, beta, log_decay = _inputs("vector", dtype, seq_len=2 * chunk)
@@ -124,7 +124,9 @@ def test_anchored_ut_transform_matches_per_feature_pairs(dtype, strength):
       num_stages=1, interpret=True, out_dtype=jnp.dtype(dtype).name)
   g = chunked_forward.cumulative_log_decay(strength * log_decay, schedule)
   assert bool(mosaic_forward.gates_in_range(g))
-  anchored = delta_rule.ut_transform(k, v, beta, g, schedule, anchored=True)
+  *operands, left, w_keys = mosaic_forward.anchored_operands(k, k, g, ut_keys=True)
+  anchored = delta_rule.ut_transform(left, v, beta, None, schedule,
+                                     anchored_keys=(operands[3], w_keys))
   paired = delta_rule.ut_transform(k, v, beta, g, schedule)
   for x, expected in zip(anchored, paired):
     assert_close(x, expected, dtype)

@@ -14,8 +14,8 @@ and the chunk is then ordinary decayed linear attention with values U. So:
 1. `ut_transform`, all chunks in parallel (one program per chunk and head):
    for the "none"/"scalar" kinds block forward substitution over
    `UT_BLOCK`-row blocks of L, T and W, U~ (`_blocked_ut_transform`), and
-   so for per-feature decays in the Mosaic forward's chunks, split around
-   one anchor row; elsewhere per-feature decays take L from
+   so for per-feature decays in the Mosaic forward's chunks, their keys
+   scaled around one anchor row by XLA; elsewhere per-feature decays take L from
    `per_feature_pairs` (any gate strength), T by
    `triangular.invert_unit_lower` on the whole [C, C], then W and U~ by two
    products.
@@ -138,15 +138,18 @@ UT_ROWS_PER_WARP = 32
 
 def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
                          fp32_exact: bool, anchored: bool):
-  """W and U~ of one chunk of one head (and its T, given a third output)."""
+  """W and U~ of one chunk of one head (and its T, given a third output).
+  `anchored`: the refs after beta are K 2^(g_m - g) and K 2^g, k's is
+  K 2^(g - g_m) (`ut_transform`), and the decay is in them."""
   k_ref, v_ref, beta_ref, *refs = refs
-  g_ref = refs.pop(0) if decay_kind != "none" else None
+  key_refs = (refs.pop(0), refs.pop(0)) if anchored else None
+  g_ref = refs.pop(0) if decay_kind != "none" and not anchored else None
   w_ref, u_ref, *t_ref = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
   if decay_kind != "vector" or anchored:
     return _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref,
                                  chunk=chunk, mm=mm, fp32_exact=fp32_exact,
-                                 per_feature=decay_kind == "vector")
+                                 key_refs=key_refs)
   k, dtype = k_ref[...], k_ref.dtype
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   g = g_ref[...]  # exp(g_id - g_jd) stays inside the sum over d
@@ -161,43 +164,36 @@ def _ut_transform_kernel(*refs, decay_kind: str, chunk: int,
 
 
 def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
-                          chunk: int, mm, fp32_exact: bool, per_feature: bool):
+                          chunk: int, mm, fp32_exact: bool, key_refs=None):
   """The UT transform in `UT_BLOCK`-row blocks of the chunk: block forward
   substitution, T_ii = (I + L_ii)^-1 and T_ij = -T_ii sum_m L_im T_mj
   (j <= m < i), then W_i = sum_j T_ij (beta K 2^g)_j and U~ likewise. Only
   the blocks on and below the diagonal are computed, each from rows of the
   inputs, where a [C, C] inverse spends its products on the whole square.
 
-  `per_feature` decays split around the chunk's row mosaic_forward.ANCHOR,
-  as the Mosaic forward's scores do: L's products are (K 2^(g - g_m))
-  (K 2^(g_m - g))^T, each factor within 2^SPAN_LIMIT where
-  `mosaic_forward.gates_in_range` holds (the caller's promise), and W's
-  rows K 2^g are formed directly."""
+  key_refs: (L's right factor, W's keys) where they are not k_ref itself:
+  per-feature decays split around an anchor row (`ut_transform`)."""
   block = min(UT_BLOCK, chunk)
   count, dtype = chunk // block, k_ref.dtype
   rows = [pl.ds(i * block, block) for i in range(count)]
   merge = functools.partial(backend.dot, fp32_exact=fp32_exact or EXACT_MERGES)
   keys = [k_ref[r, :] for r in rows]
+  right, w_keys = ([[ref[r, :] for r in rows] for ref in key_refs] if key_refs
+                   else (keys, keys))
   beta = [beta_ref[r].astype(jnp.float32)[:, None] for r in rows]
-  # Row log factors: [block, Dk] per feature, [block, 1] per step.
-  g = [None if g_ref is None else g_ref[r] if per_feature else g_ref[r][:, None]
-       for r in rows]
+  g = [None if g_ref is None else g_ref[r] for r in rows]
   own = strictly_lower(block)
-  if per_feature:
-    anchor = g_ref[mosaic_forward.ANCHOR, :][None, :]
-    left = [scale_rows(x.astype(jnp.float32), gi - anchor) for x, gi in zip(keys, g)]
-    right = [scale_rows(x.astype(jnp.float32), anchor - gi) for x, gi in zip(keys, g)]
 
   def lower(i, j):  # L_ij = beta_i (K_i K_j^T 2^(g_i - g_j)), strictly lower
-    if per_feature:  # the diagonal block's upper part may overflow: selected away
-      products = mm(left[i], right[j], trans_b=True)
-    else:
-      products = mm(keys[i], keys[j], trans_b=True)
-    if g_ref is not None and not per_feature:  # g_i <= g_j off the diagonal block
-      products = masked_rescale(products, g[i] - g[j].T, own if i == j else True)
+    # Anchored factors may overflow in the diagonal block's upper part: selected away.
+    products = mm(keys[i], right[j], trans_b=True)
+    if g_ref is not None:  # g_i <= g_j off the diagonal block: no overflow
+      products = masked_rescale(products, g[i][:, None] - g[j][None, :],
+                                own if i == j else True)
     return jnp.where(own, beta[i] * products, 0.0) if i == j else beta[i] * products
 
-  scaled = lambda i, x: beta[i] * scale_rows(x.astype(jnp.float32), g[i])
+  scaled = lambda i, x: beta[i] * (x.astype(jnp.float32) if g_ref is None
+                                   else scale_rows(x.astype(jnp.float32), g[i][:, None]))
   transform = {}
   for i in range(count):
     diagonal = invert_unit_lower(lower(i, i), matmul=merge)
@@ -209,7 +205,7 @@ def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
     transform[i, i] = diagonal
     blocks = [transform[i, j].astype(dtype) for j in range(i + 1)]
     w_ref[rows[i], :] = functools.reduce(jnp.add, [
-        mm(t, scaled(j, keys[j]).astype(dtype)) for j, t in enumerate(blocks)]).astype(w_ref.dtype)
+        mm(t, scaled(j, w_keys[j]).astype(dtype)) for j, t in enumerate(blocks)]).astype(w_ref.dtype)
     u_ref[rows[i], :] = functools.reduce(jnp.add, [
         mm(t, (beta[j] * v_ref[rows[j], :].astype(jnp.float32)).astype(dtype))
         for j, t in enumerate(blocks)]).astype(u_ref.dtype)
@@ -220,22 +216,31 @@ def _blocked_ut_transform(k_ref, v_ref, beta_ref, g_ref, w_ref, u_ref, t_ref, *,
 
 
 def ut_transform(k, v, beta, log_decay_cum, schedule: ChunkedSchedule, *,
-                 keep_transforms: bool = False, anchored: bool = False):
+                 keep_transforms: bool = False, anchored_keys=None):
   """(W [B, S, H, Dk] in k's dtype, U~ [B, S, H, Dv] in v's dtype) of every
   chunk, and with `keep_transforms` each chunk's T as rows [B, S, H, C] in
   k's dtype (the precision its products take). k: [B, S, H, Dk]; v: [B, S,
   H, Dv]; beta: [B, S, H]; log_decay_cum: None, [B, S, H] or [B, S, H, Dk]
-  (base 2, cumulative). `anchored`: per-feature decays of the Mosaic
-  forward's chunks that `mosaic_forward.gates_in_range` admits, transformed
-  by block substitution around one anchor row (`_blocked_ut_transform`)."""
+  (base 2, cumulative).
+
+  anchored_keys: per-feature decays as the Mosaic forward splits them
+  (`mosaic_forward.anchored_operands(..., ut_keys=True)`, where
+  `gates_in_range` holds): k is then K 2^(g - g_m) and anchored_keys
+  (K 2^(g_m - g), K 2^g), so that L = beta (K 2^(g - g_m)) (K 2^(g_m -
+  g))^T below the diagonal and W = T (beta K 2^g): the blocked substitution
+  of the other kinds, the decay in the operands (log_decay_cum unused)."""
   batch, seq_len, heads, d_feature = k.shape
   chunk = schedule.chunk_size
   rows = functools.partial(chunk_spec, chunk)
   in_specs = [rows(d_feature), rows(v.shape[-1]), rows()]
   inputs = [k, v, beta]
-  if log_decay_cum is not None:
+  if anchored_keys is not None:
+    in_specs += [rows(d_feature)] * 2
+    inputs += list(anchored_keys)
+  elif log_decay_cum is not None:
     in_specs.append(rows(d_feature if log_decay_cum.ndim == 4 else None))
     inputs.append(log_decay_cum)
+  anchored = anchored_keys is not None
   kernel = functools.partial(
       _ut_transform_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
       fp32_exact=k.dtype == jnp.float32, anchored=anchored)
@@ -291,12 +296,17 @@ def delta_rule_forward_mosaic(q, k, v, beta, log_decay, initial_state,
   log_decay_cum = cumulative_log_decay(log_decay, in_chunks)
 
   def mosaic():
-    pseudo_keys, pseudo_values = ut_transform(k, v, beta, log_decay_cum, in_chunks,
-                                              anchored=schedule.decay_kind == "vector")
+    keys, operands, anchored_keys = k, None, None
+    if schedule.decay_kind == "vector":  # one XLA pass forms every scaled operand
+      *operands, keys, w_keys = mosaic_forward.anchored_operands(
+          q, k, log_decay_cum, ut_keys=True)
+      anchored_keys = (operands[3], w_keys)
+    pseudo_keys, pseudo_values = ut_transform(keys, v, beta, log_decay_cum, in_chunks,
+                                              anchored_keys=anchored_keys)
     o, final_state, _ = mosaic_forward.forward(
         q, k, pseudo_values, log_decay_cum, initial_state, decay_kind=schedule.decay_kind,
         scale=schedule.scale, store_states=False, stages=schedule.num_stages,
-        pseudo_keys=pseudo_keys)
+        pseudo_keys=pseudo_keys, vector_operands=operands)
     return o, final_state
 
   triton = lambda: delta_rule_forward(q, k, v, beta, log_decay, initial_state, schedule)[:2]

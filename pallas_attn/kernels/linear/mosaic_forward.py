@@ -92,12 +92,13 @@ def gates_in_range(log_decay_cum) -> jax.Array:
   return jnp.max(span) <= SPAN_LIMIT
 
 
-def anchored_operands(q, k, log_decay_cum):
+def anchored_operands(q, k, log_decay_cum, *, ut_keys: bool = False):
   """The vector kind's operands: (Q 2^g, K 2^(g_last - g), Q 2^(g - g_m),
   K 2^(g_m - g)), each [B, S, H, Dk] in q's dtype, and g_last [B, H, S / C,
   Dk] float32, for g each chunk's cumulative log decays (base 2), g_m its
-  row ANCHOR's and g_last its last row's. Products in float32, as the
-  Triton passes form them."""
+  row ANCHOR's and g_last its last row's; with `ut_keys` also the delta
+  rule's K 2^(g - g_m) and K 2^g (`delta_rule.ut_transform`), from the same
+  pass. Products in float32, as the Triton passes form them."""
   batch, seq_len, heads, width = q.shape
   chunks = (batch, seq_len // CHUNK, CHUNK, heads, width)
   g = log_decay_cum.reshape(chunks)
@@ -105,8 +106,10 @@ def anchored_operands(q, k, log_decay_cum):
   q32, k32 = (x.reshape(chunks).astype(jnp.float32) for x in (q, k))
   scaled = [q32 * jnp.exp2(g), k32 * jnp.exp2(last - g), q32 * jnp.exp2(g - anchor),
             k32 * jnp.exp2(anchor - g)]
+  ut = [k32 * jnp.exp2(g - anchor), k32 * jnp.exp2(g)] if ut_keys else []
   return ([x.astype(q.dtype).reshape(q.shape) for x in scaled]
-          + [jnp.transpose(last[:, :, 0], (0, 2, 1, 3))])
+          + [jnp.transpose(last[:, :, 0], (0, 2, 1, 3))]
+          + [x.astype(k.dtype).reshape(k.shape) for x in ut])
 
 
 def unless_gates_out_of_range(decay_kind: str, log_decay_cum, mosaic, fallback):
@@ -289,7 +292,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, decay_kind: str, stages: int, num_chunks
 
 
 def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: float,
-            store_states: bool, stages: int = 2, pseudo_keys=None):
+            store_states: bool, stages: int = 2, pseudo_keys=None,
+            vector_operands=None):
   """o [B, S, H, Dv] in q's dtype, the final state [B, H, Dk, Dv] float32
   and, with `store_states`, the state entering each chunk [B, H, S / C, Dk,
   Dv] in q's dtype (the backward's residual, as chunked_forward returns it;
@@ -298,7 +302,8 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
   "none", "scalar", "vector"; `chunk_cumulative_log_decay`). The vector
   kind's factors assume `gates_in_range`. With `pseudo_keys` (the delta
   rule's W [B, S, H, Dk] of 64-token chunks, delta_rule.ut_transform) v is
-  its U~, and each chunk's values are U~ - W S."""
+  its U~, and each chunk's values are U~ - W S. vector_operands: the
+  vector kind's `anchored_operands`, where the caller formed them."""
   batch, seq_len, heads, d_feature = q.shape
   d_v = v.shape[-1]
   num_chunks = seq_len // CHUNK
@@ -307,7 +312,7 @@ def forward(q, k, v, log_decay_cum, initial_state, *, decay_kind: str, scale: fl
   if decay_kind == "scalar":
     streamed = (jnp.swapaxes(log_decay_cum, 1, 2),)  # [B, H, S]: TMA rows
   elif decay_kind == "vector":
-    q, k, *streamed = anchored_operands(q, k, log_decay_cum)
+    q, k, *streamed = vector_operands or anchored_operands(q, k, log_decay_cum)
   transforms = mb.smem_transforms()
   smem = lambda shape, dtype: mb.plgpu.SMEM(shape, dtype, transforms=transforms)
 
