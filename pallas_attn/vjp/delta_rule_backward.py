@@ -12,8 +12,8 @@ and T; the backward is Pallas kernels too, in three steps:
        dU  = scale P^T dO + K' dS
        dS0 = 2^g_last dS + scale (Q 2^g)^T dO - W^T dU
 
-   scale P^T dO comes first, from a parallel pass over chunks. The pass
-   stores dS and dU per chunk.
+   The pass stores dS and dU per chunk (for per-feature decays scale P^T
+   dO comes first, from a parallel pass over chunks).
 2. Per chunk, all in parallel, what meets the states (`_state_gradient_kernel`):
    dQ (from dO S0^T and the scores' dP = scale dO U^T), K's gradient through
    the scores and K', and dW = -dU S0^T.
@@ -116,17 +116,13 @@ def _operand_dot(dtype, fp32_exact: bool):
       a.astype(dtype), b.astype(dtype), fp32_exact=fp32_exact, **kw)
 
 
-def _local_value_cotangent_kernel(*refs, decay_kind: str, chunk: int,
-                                  scale: float, fp32_exact: bool):
-  """scale P^T dO of one chunk: what dU owes to the chunk's own outputs."""
-  q_ref, k_ref, *refs = refs
-  g_ref = refs.pop(0) if decay_kind != "none" else None
-  do_ref, out_ref = refs
+def _local_value_cotangent_kernel(q_ref, k_ref, g_ref, do_ref, out_ref, *,
+                                  chunk: int, scale: float, fp32_exact: bool):
+  """scale P^T dO of one chunk with per-feature decays: what dU owes to the
+  chunk's own outputs."""
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
-  vector = decay_kind == "vector"
-  decay, _, _ = _chunk_decays(g_ref, vector, chunk)
-  scores, _, _ = _decayed_pairs(q_ref[...].astype(jnp.float32), k_ref, g_ref,
-                                decay, vector=vector, mm=mm)
+  scores, _, _ = per_feature_pairs(q_ref[...].astype(jnp.float32), k_ref, g_ref,
+                                   chunk, mm)
   out_ref[...] = scale * mm(scores.T, do_ref[...].astype(jnp.float32))
 
 
@@ -142,19 +138,23 @@ def _leaving_state_cotangents(q, k, log_decay_cum, pseudo_keys, d_out,
                               d_final, schedule: ChunkedSchedule):
   """(dS leaving each chunk [B, H, N, Dk, Dv] in q's dtype, d(initial
   state), dU [B, S, H, Dv] in q's dtype): step 1 of the module docstring,
-  as the template's reverse state pass in its delta form."""
+  as the template's reverse state pass in its delta form. It forms scale
+  P^T dO itself but for per-feature decays, whose pairing is a parallel
+  pass before it."""
   batch, seq_len, heads, _ = q.shape
   chunk = schedule.chunk_size
-  in_specs, inputs = _chunk_inputs((q, k, log_decay_cum, d_out), chunk)
-  kernel = functools.partial(
-      _local_value_cotangent_kernel, decay_kind=schedule.decay_kind,
-      chunk=chunk, scale=schedule.scale, fp32_exact=q.dtype == jnp.float32)
-  local_d_values = backend.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(d_out.shape, jnp.float32),
-      grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
-      out_specs=in_specs[-1], num_warps=schedule.num_warps, num_stages=1,
-      interpret=schedule.interpret,
-      name=f"delta_rule_bwd_local_{schedule.decay_kind}")(*inputs)
+  local_d_values = None
+  if schedule.decay_kind == "vector":
+    in_specs, inputs = _chunk_inputs((q, k, log_decay_cum, d_out), chunk)
+    kernel = functools.partial(
+        _local_value_cotangent_kernel, chunk=chunk, scale=schedule.scale,
+        fp32_exact=q.dtype == jnp.float32)
+    local_d_values = backend.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(d_out.shape, jnp.float32),
+        grid=(seq_len // chunk, batch, heads), in_specs=in_specs,
+        out_specs=in_specs[-1], num_warps=schedule.num_warps, num_stages=1,
+        interpret=schedule.interpret,
+        name=f"delta_rule_bwd_local_{schedule.decay_kind}")(*inputs)
   return state_pass(q, d_out.astype(q.dtype), log_decay_cum, d_final,
                     schedule, reverse=True, pseudo_keys=pseudo_keys,
                     keys=k, local_d_values=local_d_values)

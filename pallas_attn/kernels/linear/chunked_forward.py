@@ -184,6 +184,16 @@ def masked_rescale(x, log_factor, mask):
   return jnp.where(mask, x * jnp.exp2(jnp.where(mask, log_factor, 0.0)), 0.0)
 
 
+def causal_decay(g, chunk: int):
+  """[C, C]: the causal mask times 2^(g_i - g_j) for row log factors g [C, 1]
+  (None: no decay)."""
+  causal = (lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+            >= lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1))
+  if g is None:
+    return causal.astype(jnp.float32)
+  return masked_rescale(1.0, g - g.T, causal)
+
+
 def dense_decay(g_ref, chunk: int):
   """Decay terms of one chunk for the "none"/"scalar" kinds.
 
@@ -191,14 +201,10 @@ def dense_decay(g_ref, chunk: int):
   g_last - g [C, 1]); the last two are None without decay. D is the causal
   mask times exp(g_i - g_j).
   """
-  rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-  cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-  causal = rows >= cols
   if g_ref is None:
-    return causal.astype(jnp.float32), None, None
-  g = g_ref[...]
-  decay = masked_rescale(1.0, g[:, None] - g[None, :], causal)
-  return decay, g[:, None], (g_ref[chunk - 1] - g)[:, None]
+    return causal_decay(None, chunk), None, None
+  g = g_ref[...][:, None]
+  return causal_decay(g, chunk), g, g_ref[chunk - 1] - g
 
 
 def split_own_keys(g_ref, offset, g_anchor):
@@ -311,12 +317,15 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
   the pseudo-values U~ and the chunk's values are U~ - W S, S the entering
   state, stored to `values_ref`. In reverse the state is dS and the value
   cotangents dU = dU_local + (K 2^(g_last - g)) dS, stored to `values_ref`,
-  feed back into it as -W^T dU.
+  feed back into it as -W^T dU; dU_local = factor P^T dO (P the chunk's
+  decayed causal Q K^T) comes from `local_ref` for per-feature decays, and
+  is formed here for the others (its two small products sit off the carried
+  dS's chain).
   """
   x_ref, y_ref, *refs = refs
   w_ref = refs.pop(0) if delta else None
-  keys_ref, local_ref = (refs.pop(0), refs.pop(0)) if delta and reverse else (
-      None, None)
+  keys_ref = refs.pop(0) if delta and reverse else None
+  local_ref = refs.pop(0) if keys_ref is not None and decay_kind == "vector" else None
   g_ref = refs.pop(0) if decay_kind != "none" else None
   initial_ref, states_ref, final_ref, *values_ref = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
@@ -338,10 +347,14 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
           w_ref.dtype))).astype(y_ref.dtype)
       values_ref[0][rows, :] = y
     elif delta:
-      keys = scale_rows(keys_ref[rows, :].astype(jnp.float32),
-                        None if g is None else g_last - g)
-      d_values = local_ref[rows, :].astype(jnp.float32) + mm(
-          keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
+      raw_keys = keys_ref[rows, :]
+      if local_ref is not None:
+        local = local_ref[rows, :].astype(jnp.float32)
+      else:
+        scores = mm(x, raw_keys, trans_b=True) * causal_decay(g, chunk)
+        local = factor * mm(scores.T, y.astype(jnp.float32))
+      keys = scale_rows(raw_keys.astype(jnp.float32), None if g is None else g_last - g)
+      d_values = local + mm(keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
       values_ref[0][rows, :] = d_values.astype(values_ref[0].dtype)
       correction = mm(w_ref[rows, :].T, d_values.astype(w_ref.dtype))
     if g is not None:
@@ -376,8 +389,9 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   then U~ - W S from the state S entering it, and are returned as a third
   output [B, S, H, Dv] in y's dtype. A program then holds all Dk rows of
   its state tile (W S contracts over them). In reverse (x = q, y = dO) the
-  delta rule also needs `keys` (k) and `local_d_values` (scale P^T dO, P
-  the chunk's decayed causal Q K^T): the stored cotangents then include
+  delta rule also needs `keys` (k) and, for per-feature decays,
+  `local_d_values` (scale P^T dO, P the chunk's decayed causal Q K^T; the
+  pass forms it for the others): the stored cotangents then include
   what flows back through U = U~ - W S, and the value cotangents dU are
   returned as a third output [B, S, H, Dv] in y's dtype.
   """
@@ -401,8 +415,11 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
     in_specs.append(whole_rows)
     inputs.append(pseudo_keys)
   if delta and reverse:
-    in_specs += [whole_rows, in_specs[1]]
-    inputs += [keys, local_d_values]
+    in_specs.append(whole_rows)
+    inputs.append(keys)
+    if schedule.decay_kind == "vector":
+      in_specs.append(in_specs[1])
+      inputs.append(local_d_values)
   if log_decay_cum is not None:
     if log_decay_cum.ndim == 3:
       in_specs.append(pl.BlockSpec((None, seq_len, None),
