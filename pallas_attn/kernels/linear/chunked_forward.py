@@ -310,12 +310,15 @@ def state_pass_stages(num_programs: int, sm_count: int | None) -> int:
 
 def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
                   reverse: bool, factor: float, delta: bool,
-                  fp32_exact: bool):
+                  fp32_exact: bool, out_scale: float | None):
   """Carries one [block_k, block_v] state tile through the chunks.
 
   With `delta` (the delta rule; all Dk rows in the tile) forwards, y holds
   the pseudo-values U~ and the chunk's values are U~ - W S, S the entering
-  state, stored to `values_ref`. In reverse the state is dS and the value
+  state, stored to `values_ref`; given `out_scale` (and the queries after
+  W) the chunk's output out_scale (Q 2^g S + P U) too, P its decayed causal
+  Q K^T, from the state in registers (an output pass would read every
+  stored state again). In reverse the state is dS and the value
   cotangents dU = dU_local + (K 2^(g_last - g)) dS, stored to `values_ref`,
   feed back into it as -W^T dU; dU_local = factor P^T dO (P the chunk's
   decayed causal Q K^T) comes from `local_ref` for per-feature decays, and
@@ -324,6 +327,7 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
   """
   x_ref, y_ref, *refs = refs
   w_ref = refs.pop(0) if delta else None
+  queries_ref = refs.pop(0) if out_scale is not None else None
   keys_ref = refs.pop(0) if delta and reverse else None
   local_ref = refs.pop(0) if keys_ref is not None and decay_kind == "vector" else None
   g_ref = refs.pop(0) if decay_kind != "none" else None
@@ -346,6 +350,12 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
       y = (y.astype(jnp.float32) - mm(w_ref[rows, :], state.astype(
           w_ref.dtype))).astype(y_ref.dtype)
       values_ref[0][rows, :] = y
+      if queries_ref is not None:
+        queries = queries_ref[rows, :]
+        scores = mm(queries, x, trans_b=True) * causal_decay(g, chunk)
+        out = scale_rows(mm(queries, state.astype(queries.dtype)), g) + mm(
+            scores.astype(y.dtype), y)
+        values_ref[1][rows, :] = (out_scale * out).astype(values_ref[1].dtype)
     elif delta:
       raw_keys = keys_ref[rows, :]
       if local_ref is not None:
@@ -369,7 +379,7 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
 
 def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
                reverse: bool, pseudo_keys=None, keys=None,
-               local_d_values=None):
+               local_d_values=None, queries=None):
   """The sequential pass over chunks, forwards for S or in reverse for dS.
 
   Forwards (x = k, y = v): S <- exp(g_last) S + (x * exp(g_last - g))^T y,
@@ -388,7 +398,9 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   pseudo-values U~ (`delta_rule.ut_transform`): each chunk's values are
   then U~ - W S from the state S entering it, and are returned as a third
   output [B, S, H, Dv] in y's dtype. A program then holds all Dk rows of
-  its state tile (W S contracts over them). In reverse (x = q, y = dO) the
+  its state tile (W S contracts over them). Given `queries` (q; decays
+  "none" or "scalar") the chunk outputs follow as a fourth output [B, S, H,
+  Dv] in the schedule's out_dtype (the output pass's, formed here). In reverse (x = q, y = dO) the
   delta rule also needs `keys` (k) and, for per-feature decays,
   `local_d_values` (scale P^T dO, P the chunk's decayed causal Q K^T; the
   pass forms it for the others): the stored cotangents then include
@@ -414,6 +426,9 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
                               lambda b, h, i, j: (b, 0, h, 0))
     in_specs.append(whole_rows)
     inputs.append(pseudo_keys)
+  if queries is not None:
+    in_specs.append(whole_rows)
+    inputs.append(queries)
   if delta and reverse:
     in_specs.append(whole_rows)
     inputs.append(keys)
@@ -440,11 +455,15 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   if delta:
     out_shape.append(jax.ShapeDtypeStruct(y.shape, y.dtype))
     out_specs.append(in_specs[1])
+  if queries is not None:
+    out_shape.append(jax.ShapeDtypeStruct(y.shape, jnp.dtype(schedule.out_dtype)))
+    out_specs.append(in_specs[1])
   kernel = functools.partial(
       _state_kernel, decay_kind=schedule.decay_kind, chunk=chunk,
       num_chunks=num_chunks, reverse=reverse,
       factor=schedule.scale if reverse else 1.0, delta=delta,
-      fp32_exact=x.dtype == jnp.float32)
+      fp32_exact=x.dtype == jnp.float32,
+      out_scale=None if queries is None else schedule.scale)
   direction = ("bwd" if reverse else "fwd") + ("_delta" if delta else "")
   grid = (batch, heads, d_feature // block_k, d_v // block_v)
   return backend.pallas_call(

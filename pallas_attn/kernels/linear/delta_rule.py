@@ -21,8 +21,9 @@ and the chunk is then ordinary decayed linear attention with values U. So:
    products.
 2. The template's sequential state pass in its delta form
    (`state_pass(..., pseudo_keys=W)`): per chunk U = U~ - W S, stored, and
-   S <- 2^g_last S + (K 2^(g_last - g))^T U.
-3. The template's output pass, unchanged, with values U.
+   S <- 2^g_last S + (K 2^(g_last - g))^T U; without per-feature decays it
+   forms each chunk's output too, from the state it holds.
+3. For per-feature decays, the template's output pass, with values U.
 
 On Hopper an undifferentiated call runs 2. and 3. as one Mosaic GPU kernel
 (`delta_rule_forward_mosaic`): it computes U = U~ - W S per chunk from the
@@ -270,10 +271,15 @@ def delta_rule_forward(q, k, v, beta, log_decay, initial_state,
   log_decay_cum = cumulative_log_decay(log_decay, schedule)
   pseudo_keys, pseudo_values, *kept = ut_transform(
       k, v, beta, log_decay_cum, schedule, keep_transforms=keep_transforms)
-  chunk_states, final_state, values = state_pass(
-      k, pseudo_values, log_decay_cum, initial_state, schedule,
-      reverse=False, pseudo_keys=pseudo_keys)
-  o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
+  if schedule.decay_kind == "vector":  # the output pass pairs rows per feature
+    chunk_states, final_state, values = state_pass(
+        k, pseudo_values, log_decay_cum, initial_state, schedule,
+        reverse=False, pseudo_keys=pseudo_keys)
+    o = output_pass(q, k, values, log_decay_cum, chunk_states, schedule)
+  else:
+    chunk_states, final_state, values, o = state_pass(
+        k, pseudo_values, log_decay_cum, initial_state, schedule,
+        reverse=False, pseudo_keys=pseudo_keys, queries=q)
   return (o, final_state, chunk_states, pseudo_keys, values,
           kept[0] if kept else None)
 
