@@ -346,23 +346,23 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
     elif decay_kind == "scalar":
       g, g_last = g_ref[rows][:, None], g_ref[last]
     correction = 0.0
+    # The chunk's decayed causal scores of rows a against keys b (no per-feature decay).
+    scores = lambda a, b: mm(a, b, trans_b=True) * causal_decay(g, chunk)
     if delta and not reverse:
       y = (y.astype(jnp.float32) - mm(w_ref[rows, :], state.astype(
           w_ref.dtype))).astype(y_ref.dtype)
       values_ref[0][rows, :] = y
       if queries_ref is not None:
         queries = queries_ref[rows, :]
-        scores = mm(queries, x, trans_b=True) * causal_decay(g, chunk)
         out = scale_rows(mm(queries, state.astype(queries.dtype)), g) + mm(
-            scores.astype(y.dtype), y)
+            scores(queries, x).astype(y.dtype), y)
         values_ref[1][rows, :] = (out_scale * out).astype(values_ref[1].dtype)
     elif delta:
       raw_keys = keys_ref[rows, :]
       if local_ref is not None:
         local = local_ref[rows, :].astype(jnp.float32)
       else:
-        scores = mm(x, raw_keys, trans_b=True) * causal_decay(g, chunk)
-        local = factor * mm(scores.T, y.astype(jnp.float32))
+        local = factor * mm(scores(x, raw_keys).T, y.astype(jnp.float32))
       keys = scale_rows(raw_keys.astype(jnp.float32), None if g is None else g_last - g)
       d_values = local + mm(keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
       values_ref[0][rows, :] = d_values.astype(values_ref[0].dtype)
@@ -400,8 +400,9 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   output [B, S, H, Dv] in y's dtype. A program then holds all Dk rows of
   its state tile (W S contracts over them). Given `queries` (q; decays
   "none" or "scalar") the chunk outputs follow as a fourth output [B, S, H,
-  Dv] in the schedule's out_dtype (the output pass's, formed here). In reverse (x = q, y = dO) the
-  delta rule also needs `keys` (k) and, for per-feature decays,
+  Dv] in the schedule's out_dtype (the output pass's, formed here). In
+  reverse (x = q, y = dO) the delta rule also needs `keys` (k) and, for
+  per-feature decays,
   `local_d_values` (scale P^T dO, P the chunk's decayed causal Q K^T; the
   pass forms it for the others): the stored cotangents then include
   what flows back through U = U~ - W S, and the value cotangents dU are
