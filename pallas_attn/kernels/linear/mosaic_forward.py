@@ -104,9 +104,10 @@ def anchored_operands(q, k, log_decay_cum, *, ut_keys: bool = False):
   g = log_decay_cum.reshape(chunks)
   anchor, last = g[:, :, ANCHOR:ANCHOR + 1], g[:, :, CHUNK - 1:]
   q32, k32 = (x.reshape(chunks).astype(jnp.float32) for x in (q, k))
-  scaled = [q32 * jnp.exp2(g), k32 * jnp.exp2(last - g), q32 * jnp.exp2(g - anchor),
+  from_start, from_anchor = jnp.exp2(g), jnp.exp2(g - anchor)  # Q's and the UT keys'
+  scaled = [q32 * from_start, k32 * jnp.exp2(last - g), q32 * from_anchor,
             k32 * jnp.exp2(anchor - g)]
-  ut = [k32 * jnp.exp2(g - anchor), k32 * jnp.exp2(g)] if ut_keys else []
+  ut = [k32 * from_anchor, k32 * from_start] if ut_keys else []
   return ([x.astype(q.dtype).reshape(q.shape) for x in scaled]
           + [jnp.transpose(last[:, :, 0], (0, 2, 1, 3))]
           + [x.astype(k.dtype).reshape(k.shape) for x in ut])
