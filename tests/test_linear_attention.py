@@ -529,6 +529,8 @@ def _call(**overrides):
      ValueError, "extra last column"),
     (dict(chunk_size=48), ValueError, "power of two"),
     (dict(config=dict(chunk_size=16)), TypeError, "LinearAttentionConfig"),
+    (dict(scale=0.0), ValueError, "finite nonzero"),
+    (dict(scale=float("nan")), ValueError, "finite nonzero"),
 ])
 def test_clear_errors(overrides, error, match):
   with pytest.raises(error, match=match):

@@ -192,6 +192,9 @@ def check_scale(scale, d_qk: int) -> float:
   if is_traced(scale) or np.ndim(scale) != 0:
     raise TypeError("scale must be a Python number (it is baked into the "
                     f"kernel), got {scale!r}.")
+  if not math.isfinite(scale) or scale == 0:
+    # The backward's state pass carries dS / scale.
+    raise ValueError(f"scale must be a finite nonzero number, got {scale!r}.")
   return float(scale)
 
 

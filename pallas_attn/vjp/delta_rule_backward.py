@@ -117,13 +117,13 @@ def _operand_dot(dtype, fp32_exact: bool):
 
 
 def _local_value_cotangent_kernel(q_ref, k_ref, g_ref, do_ref, out_ref, *,
-                                  chunk: int, scale: float, fp32_exact: bool):
-  """scale P^T dO of one chunk with per-feature decays: what dU owes to the
-  chunk's own outputs."""
+                                  chunk: int, fp32_exact: bool):
+  """P^T dO of one chunk with per-feature decays: what dU owes to the
+  chunk's own outputs, over the output scale (the reverse pass's units)."""
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
   scores, _, _ = per_feature_pairs(q_ref[...].astype(jnp.float32), k_ref, g_ref,
                                    chunk, mm)
-  out_ref[...] = scale * mm(scores.T, do_ref[...].astype(jnp.float32))
+  out_ref[...] = mm(scores.T, do_ref[...].astype(jnp.float32))
 
 
 def _chunk_inputs(arrays, chunk: int):
@@ -147,7 +147,7 @@ def _leaving_state_cotangents(q, k, log_decay_cum, pseudo_keys, d_out,
   if schedule.decay_kind == "vector":
     in_specs, inputs = _chunk_inputs((q, k, log_decay_cum, d_out), chunk)
     kernel = functools.partial(
-        _local_value_cotangent_kernel, chunk=chunk, scale=schedule.scale,
+        _local_value_cotangent_kernel, chunk=chunk,
         fp32_exact=q.dtype == jnp.float32)
     local_d_values = backend.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(d_out.shape, jnp.float32),
@@ -235,17 +235,24 @@ def _transform_gradient_kernel(*refs, decay_kind: str, chunk: int,
   dg_part_ref = refs.pop(0) if g_ref is not None else None
   dk_ref, dv_ref, dbeta_ref, *dg_ref = refs
   mm = _operand_dot(k_ref.dtype, fp32_exact)
-  k, v = (r[...].astype(jnp.float32) for r in (k_ref, v_ref))
   beta = beta_ref[...].astype(jnp.float32)[:, None]
-  transform, d_values, d_w = transform_ref[...], d_values_ref[...], d_w_ref[...]
+  transform = transform_ref[...]
+  # In the order the tiles die (through U~, then W, then L): Triton keeps
+  # the program's order, and a [C, D] float32 tile held to the end spilled
+  # the 4-warp kernel.
+  v, d_values = v_ref[...].astype(jnp.float32), d_values_ref[...]
+  from_values = mm(transform.T, d_values)
+  dv_ref[...] = (beta * from_values).astype(dv_ref.dtype)
+  d_beta = jnp.sum(v * from_values, axis=1)
+  d_transform = mm(d_values, beta * v, trans_b=True)
   vector = decay_kind == "vector"
   decay, g, _ = _chunk_decays(g_ref, vector, chunk)
+  k, d_w = k_ref[...].astype(jnp.float32), d_w_ref[...]
   keys_decayed = scale_rows(k, g)
-  from_values = mm(transform.T, d_values)
   from_w = mm(transform.T, d_w)
-  dv_ref[...] = (beta * from_values).astype(dv_ref.dtype)
-  d_transform = (mm(d_values, beta * v, trans_b=True)
-                 + mm(d_w, beta * keys_decayed, trans_b=True))
+  d_beta += jnp.sum(keys_decayed * from_w, axis=1)
+  d_transform = mm(d_w, beta * keys_decayed, trans_b=True) + d_transform
+  dk_w = beta * scale_rows(from_w, g)
   d_lower = jnp.where(strictly_lower(chunk), -mm(
       mm(transform.T, d_transform), transform, trans_b=True), 0.0)
   pairs = functools.partial(_decayed_pairs, k, k_ref, g_ref, decay,
@@ -253,11 +260,9 @@ def _transform_gradient_kernel(*refs, decay_kind: str, chunk: int,
   key_products, dk_rows, dk_cols = pairs(d_pairs=beta * d_lower)
   if key_products is None:  # the plain decays' gradients leave it out
     key_products, _, _ = pairs()
-  dk_w = beta * scale_rows(from_w, g)
+  d_beta += jnp.sum(d_lower * key_products, axis=1)
+  dbeta_ref[...] = d_beta.astype(dbeta_ref.dtype)
   dk_ref[...] = (dk_part_ref[...] + dk_w + dk_rows + dk_cols).astype(dk_ref.dtype)
-  dbeta_ref[...] = (jnp.sum(v * from_values, axis=1)
-                    + jnp.sum(keys_decayed * from_w, axis=1)
-                    + jnp.sum(d_lower * key_products, axis=1)).astype(dbeta_ref.dtype)
   if g_ref is None:
     return
   d_g = k * (dk_rows - dk_cols + dk_w)

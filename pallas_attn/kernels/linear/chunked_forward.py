@@ -321,8 +321,8 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
   stored state again). In reverse the state is dS and the value
   cotangents dU = dU_local + (K 2^(g_last - g)) dS, stored to `values_ref`,
   feed back into it as -W^T dU; dU_local = factor P^T dO (P the chunk's
-  decayed causal Q K^T) comes from `local_ref` for per-feature decays, and
-  is formed here for the others (its two small products sit off the carried
+  decayed causal Q K^T; `local_ref` holds P^T dO for per-feature decays,
+  formed here for the others: its two small products sit off the carried
   dS's chain).
   """
   x_ref, y_ref, *refs = refs
@@ -333,10 +333,15 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
   g_ref = refs.pop(0) if decay_kind != "none" else None
   initial_ref, states_ref, final_ref, *values_ref = refs
   mm = functools.partial(backend.dot, fp32_exact=fp32_exact)
+  # The carry is S / factor (dS / scale in reverse), so that every product
+  # adds straight to it and Triton accumulates in place: a scaled or
+  # subtracted product is one more live [block_k, block_v] float32 tile
+  # (the reverse delta pass spilled). What leaves the pass is scaled back.
+  leaving = lambda x: x if factor == 1.0 else factor * x
 
   def body(i, state):
     c = num_chunks - 1 - i if reverse else i
-    states_ref[c, :, :] = state.astype(states_ref.dtype)
+    states_ref[c, :, :] = leaving(state).astype(states_ref.dtype)
     start = pl.multiple_of(c * chunk, chunk)
     rows, last = pl.ds(start, chunk), start + chunk - 1
     x, y = x_ref[rows, :], y_ref[rows, :]
@@ -345,7 +350,7 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
       g, g_last = g_ref[rows, :], g_ref[last, :][None, :]
     elif decay_kind == "scalar":
       g, g_last = g_ref[rows][:, None], g_ref[last]
-    correction = 0.0
+    correction = None
     # The chunk's decayed causal scores of rows a against keys b (no per-feature decay).
     scores = lambda a, b: mm(a, b, trans_b=True) * causal_decay(g, chunk)
     if delta and not reverse:
@@ -362,19 +367,21 @@ def _state_kernel(*refs, decay_kind: str, chunk: int, num_chunks: int,
       if local_ref is not None:
         local = local_ref[rows, :].astype(jnp.float32)
       else:
-        local = factor * mm(scores(x, raw_keys).T, y.astype(jnp.float32))
+        local = mm(scores(x, raw_keys).T.astype(y.dtype), y)
       keys = scale_rows(raw_keys.astype(jnp.float32), None if g is None else g_last - g)
-      d_values = local + mm(keys.astype(x_ref.dtype), state.astype(x_ref.dtype))
-      values_ref[0][rows, :] = d_values.astype(values_ref[0].dtype)
-      correction = mm(w_ref[rows, :].T, d_values.astype(w_ref.dtype))
+      d_values = mm(keys.astype(x_ref.dtype), state.astype(x_ref.dtype)) + local
+      values_ref[0][rows, :] = leaving(d_values).astype(values_ref[0].dtype)
+      correction = mm(w_ref[rows, :].T, (-d_values).astype(w_ref.dtype))
     if g is not None:
       state = (jnp.exp2(g_last).T if decay_kind == "vector"
                else jnp.exp2(g_last)) * state
       x = scale_rows(x, g if reverse else g_last - g).astype(x_ref.dtype)
-    return state + factor * mm(x.T, y) - correction
+    if correction is not None:
+      state = state + correction
+    return state + mm(x.T, y)
 
-  final_ref[...] = lax.fori_loop(0, num_chunks, body,
-                                 initial_ref[...].astype(jnp.float32))
+  final_ref[...] = leaving(lax.fori_loop(
+      0, num_chunks, body, initial_ref[...].astype(jnp.float32) / factor))
 
 
 def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
@@ -402,11 +409,11 @@ def state_pass(x, y, log_decay_cum, initial, schedule: ChunkedSchedule, *,
   "none" or "scalar") the chunk outputs follow as a fourth output [B, S, H,
   Dv] in the schedule's out_dtype (the output pass's, formed here). In
   reverse (x = q, y = dO) the delta rule also needs `keys` (k) and, for
-  per-feature decays,
-  `local_d_values` (scale P^T dO, P the chunk's decayed causal Q K^T; the
-  pass forms it for the others): the stored cotangents then include
-  what flows back through U = U~ - W S, and the value cotangents dU are
-  returned as a third output [B, S, H, Dv] in y's dtype.
+  per-feature decays, `local_d_values` (P^T dO, unscaled, P the chunk's
+  decayed causal Q K^T; the pass forms it for the others): the stored
+  cotangents then include what flows back through U = U~ - W S, and the
+  value cotangents dU are returned as a third output [B, S, H, Dv] in y's
+  dtype.
   """
   batch, seq_len, heads, d_feature = x.shape
   d_v = y.shape[-1]
