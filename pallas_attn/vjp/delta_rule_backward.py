@@ -237,9 +237,9 @@ def _transform_gradient_kernel(*refs, decay_kind: str, chunk: int,
   mm = _operand_dot(k_ref.dtype, fp32_exact)
   beta = beta_ref[...].astype(jnp.float32)[:, None]
   transform = transform_ref[...]
-  # In the order the tiles die (through U~, then W, then L): Triton keeps
-  # the program's order, and a [C, D] float32 tile held to the end spilled
-  # the 4-warp kernel.
+  # In the order the tiles die (through U~, then W, then L), as Triton
+  # keeps the program's order: H200, B4 S4096 H16 d128, Gated DeltaNet's
+  # kernel 0.425 -> 0.389 ms, KDA's 0.603 -> 0.659, DeltaNet's equal.
   v, d_values = v_ref[...].astype(jnp.float32), d_values_ref[...]
   from_values = mm(transform.T, d_values)
   dv_ref[...] = (beta * from_values).astype(dv_ref.dtype)
