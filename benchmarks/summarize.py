@@ -869,6 +869,11 @@ def delta_rule(folders) -> list[str]:
                  + (" where fla's backward runs" if mode == "fwd_bwd" else "") + ": "
                  + ", ".join(f"{label} {x:.2f}" for x, label in found)
                  + f": {met(bool(found) and min(x for x, _ in found) >= 1.2)}.")
+  scan = [(found[0], label) for label, case in DELTA_ROWS if (found := src.ratio(
+      (case, "scan", "fwd"), (case, "ours", "fwd"), ("throughput",)))]
+  lines.append("- Forward >= 20x the `lax.scan` of the recurrence (throughput): "
+               + ", ".join(f"{label} {x:.0f}x" for x, label in scan)
+               + f": {met(len(scan) == len(DELTA_ROWS) and min(x for x, _ in scan) >= 20)}.")
   return lines
 
 
