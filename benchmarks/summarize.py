@@ -516,28 +516,32 @@ def fp8_decoding(folders) -> list[str]:
           f"{max(ratios):.2f}: {met(min(ratios) >= 1.8)}."]
 
 
-def _multi_gpu_docs() -> tuple[str, list, dict | None]:
-  """(folder, the newest folder's multi_gpu files but `*_before.json`, that file or None)."""
-  paths = sorted(glob.glob(os.path.join(RESULTS, "*_*", "multi_gpu*.json")), reverse=True)
+def _multi_gpu_docs() -> tuple[list, dict | None]:
+  """(every `multi_gpu*.json` but `*_before.json`, newest folder first, so
+  that each case's newest run wins; the newest `multi_gpu_before.json` or
+  None)."""
+  paths = glob.glob(os.path.join(RESULTS, "*_*", "multi_gpu*.json"))
   if not paths:
     raise LookupError("no multi_gpu results")
-  folder = os.path.dirname(paths[0])
+  paths.sort(key=os.path.basename)
+  paths.sort(key=os.path.dirname, reverse=True)
   docs, before = [], None
-  for path in sorted(glob.glob(os.path.join(folder, "multi_gpu*.json"))):
+  for path in paths:
     with open(path) as f:
       doc = json.load(f)
     doc["path"] = os.path.relpath(path, RESULTS)
     if path.endswith("_before.json"):
-      before = doc
+      before = before or doc
     else:
       docs.append(doc)
-  return folder, docs, before
+  return docs, before
 
 
 def _cell(docs, case, impl, mode) -> dict | None:
   for doc in docs:
     for r in doc["rows"]:
       if (r["case"], r["impl"], r["mode"]) == (case, impl, mode):
+        doc["used"] = True
         return r
   return None
 
@@ -548,9 +552,9 @@ def _peak_gib(r) -> float:
 
 def multi_gpu(folders) -> list[str]:
   """Issues 41 and 42: the ring over 2 and 4 GPUs and sharded decoding against
-  one GPU, from the newest folder's `multi_gpu*.json` (the runs of the
-  current code) and its `multi_gpu_before.json` (the code before)."""
-  _, docs, before = _multi_gpu_docs()
+  one GPU, each case from the newest `multi_gpu*.json` that has it, and the
+  newest `multi_gpu_before.json` (the code before)."""
+  docs, before = _multi_gpu_docs()
   ring_rows, speedup, peaks = [], {}, {}
   for seq in ("64k", "128k", "256k"):
     ones = [_cell(docs, f"causal_{seq}", "pallas_attn", mode) for mode in MODES]
@@ -589,14 +593,16 @@ def multi_gpu(folders) -> list[str]:
       r = _cell(docs, f"decode_{seq}", f"decode_{n}gpu", "decode")
       if one and r and one["time_ms"] and r["time_ms"]:
         speedup[seq, "decode", n] = one["time_ms"] / r["time_ms"]
-  doc = docs[0]
+  used = [d for d in docs if d.get("used")] + ([before] if before else [])
+  doc = used[0]
   versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items()
                        if v and k in ("jax", "torch"))
-  files = ", ".join(f"`{d['path']}`" for d in docs + ([before] if before else []))
+  files = ", ".join(f"`{d['path']}` ({d['date']}, a host of {d['device_count']} GPUs)"
+                    for d in used)
   at = lambda key: f"{speedup[key]:.2f}x" if key in speedup else "not measured"
   share = lambda key: f"{peaks[key]:.2f}x" if key in peaks else "not measured"
   ring_41 = min(speedup.get((seq, m, 2), 0) for seq in ("64k", "128k") for m in MODES)
-  return [f"{doc['device']} x4, {doc['date']}, {versions}. Files: {files}.", "",
+  return [f"{doc['device']}, {versions}. Files: {files}.", "",
           *table(["S", "1 GPU ms, fwd / f+b", "ring over 2 GPUs: ms = speedup", "ring over 4 GPUs",
                   "f+b peak GiB per GPU, 1 / 2 / 4"], ring_rows),
           "- Issue 41 (2 GPUs): ring >= 1.9x at 64k and 128k: " + ", ".join(
