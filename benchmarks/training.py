@@ -28,6 +28,9 @@ Suites (bf16, 16 heads; a case's batch holds 16k tokens unless named):
 * memory: XLA's compiled bytes (temporaries + outputs) of the forward and
   forward+backward at S 16k and 64k (B1 H16 d128): linear in S.
 * tune: tuned against heuristic forward configs, and the time tuning takes.
+* fp8: issue 40's prefill rows, ours on e4m3 q, k, v (per-head descales)
+  against ours and cuDNN in bf16, forward; each fp8 row's `extra` holds the
+  errors of `fp8_accuracy`.
 
 Every measurement of a suite is timed by throughput; with PyTorch on the
 GPU, also by kernel time in `--rounds` alternating rounds (a suite's rounds
@@ -85,12 +88,46 @@ CASES = {c.name: c for c in [
 @dataclasses.dataclass(frozen=True)
 class Suite:
   """Cases, the implementations compared (ours first) and modes; `together`:
-  one set of rounds over all cases (for `pairs`, cross-case time ratios)."""
+  one set of rounds over all cases (for `pairs`, cross-case time ratios);
+  `accuracy`: errors per case, added to its first implementation's rows."""
   cases: tuple
   impls: tuple
   modes: tuple = bench.MODES
   together: bool = False
   pairs: tuple = ()
+  accuracy: object = None
+
+
+def fp8_accuracy(c: bench.Case) -> dict:
+  """Relative errors (Frobenius) of the fp8 call against float32 attention
+  on its dequantized inputs (`fp8_vs_dequantized`: the kernel's own) and on
+  the bf16 inputs it was quantized from (`fp8_vs_bf16_inputs`: the
+  quantization's too), beside the bf16 call's against float32 attention on
+  its inputs (`bf16_vs_f32`); on the case's inputs and with channel 3 of k
+  and v scaled by 20 (`_outliers`). One sequence and two heads, so that the
+  reference's scores fit."""
+  import numpy as np
+  from pallas_attn import attention, attention_reference
+  from pallas_attn.fp8 import quantize_fp8
+  inputs = bench.make_inputs(c)
+  kwargs = inputs.built.kwargs(inputs.built.params)
+  part = lambda x: x[:1, :, :2]
+  err = lambda x, ref: float(np.linalg.norm(np.asarray(x, np.float32) - ref)
+                             / np.linalg.norm(ref))
+  found = {}
+  for label, boost in (("", 1.0), ("_outliers", 20.0)):
+    q, k, v = (part(x) for x in (inputs.q, inputs.k, inputs.v))
+    k, v = (x.at[..., 3].multiply(boost) for x in (k, v))
+    quantized = [quantize_fp8(x) for x in (q, k, v)]
+    real = [x8.astype(jnp.float32) * d[:, None, :, None] for x8, d in quantized]
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    fp8 = attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
+    reference = lambda *xs: np.asarray(attention_reference(*(x.astype(jnp.float32) for x in xs),
+                                                           **kwargs))
+    found[f"fp8_vs_dequantized{label}"] = err(fp8, reference(*real))
+    found[f"fp8_vs_bf16_inputs{label}"] = err(fp8, reference(q, k, v))
+    found[f"bf16_vs_f32{label}"] = err(attention(q, k, v, **kwargs), reference(q, k, v))
+  return found
 
 
 def _pairs(ours: str, pairs, modes=bench.MODES):
@@ -127,6 +164,9 @@ SUITES = {
     **{f"user_{seq}": Suite(tuple(f"{v}_{seq}" for v in USER_VARIANTS)
                             + (("alibi_causal_4k_fp32_dqk192",) if seq == "4k" else ()),
                             ("pallas_attn", "flex", "cudnn")) for seq in ("4k", "16k")},
+    "fp8": Suite(
+        ("vanilla_4k", "causal_4k", "vanilla_16k", "causal_16k", "softcap_4k", "rel_table_4k"),
+        ("pallas_attn_fp8", "pallas_attn", "cudnn"), ("fwd",), accuracy=fp8_accuracy),
     "pallas_ref": Suite(
         tuple(f"{v}_{bench.seq_name(s)}" + ("_d64" if d == 64 else "") for d in (64, 128)
               for v in ("vanilla", "causal") for s in (1024, 4096, 16384)),
@@ -151,6 +191,12 @@ def run_suite(suite: Suite, args, budget, checkpoint=lambda rows, ratios: None
   rows, ratios = [], []
   for group in filter(None, groups):
     r, q = harness.measure(group, impls, rounds=args.rounds, budget=budget, pairs=suite.pairs)
+    if suite.accuracy:
+      for c in {c.name: c for c, _ in group}.values():
+        errors = suite.accuracy(c)
+        for row in r:
+          if row.case == c.name and row.impl == impls[0]:
+            row.extra.update(errors)
     rows += r
     ratios += q
     checkpoint(rows, ratios)  # this suite's cases so far

@@ -15,6 +15,7 @@ from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.kernels import block_mask_cache
 from pallas_attn.kernels import lowering as lowering_lib
+from pallas_attn.kernels import mosaic_forward
 from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import AttentionConfig, round_up
 from pallas_attn.schedule.template import ProblemShape, Template
@@ -103,8 +104,10 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
       descale`, each descale None (1), a float32 scalar or `[B, Hq]` (q) /
       `[B, Hkv]` (k, v); score_mod and friends see the real scores and the
       output is bfloat16 (`pallas_attn.quantize_fp8` makes such inputs).
-      Forward only. For now the inputs are dequantized to bfloat16 before
-      the kernels (`fp8.PREFILL_NOTE`): the bfloat16 rate, not fp8's.
+      Forward only. Descales are positive (a negative one gives NaN). On
+      Hopper, e4m3 inputs with head dims up to 128 and softmax rownorms run
+      both products on fp8 tensor cores; other calls are dequantized to
+      bfloat16 before the kernels (`pallas-attn explain` says which).
 
   Masked positions get weight 0 under every rownorm and add nothing to row
   statistics; a row whose positions are all masked returns zeros (lse -inf).
@@ -118,20 +121,42 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   split-KV decoding template (`decode_attention`'s; `pallas-attn explain`
   says which ran); differentiated, such a call runs the parallel template.
   """
-  output_factor = None
-  if _inputs.check_fp8_prefill(q, k, v, q_descale, k_descale, v_descale):
-    q, k, v, output_factor = fp8.dequantized(q, k, v, q_descale, k_descale, v_descale)
+  fp8_inputs = _inputs.check_fp8_prefill(q, k, v, q_descale, k_descale, v_descale)
+  # An fp8 call is prepared as the bfloat16 call of its dequantized inputs.
+  prepared = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k, v)] if fp8_inputs else (
+      q, k, v)
   call, consts, block_masks, sinks, core = _prepare(
-      q, k, v, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
+      *prepared, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
       sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
       interpret=interpret, implementation=implementation, allow_split_kv=True)
-  with backend.triton_deprecation_ignored():
-    out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
+  output_factor = None
+  if fp8_inputs and fp8_tensor_core_obstacle(call, q, v, core) is None:
+    if not isinstance(config, AttentionConfig):
+      call = dataclasses.replace(call, config=mosaic_forward.fp8_config(
+          call.config, block_sparse=block_masks is not None, seq_kv=k.shape[1]))
+    descales = fp8.kernel_descales(q_descale, k_descale, v_descale, q.shape[0], q.shape[2],
+                                   k.shape[2])
+    out, stat = fp8.forward_only(functools.partial(_attention, call=call))(
+        q, k, v, consts, block_masks, sinks, None, descales)
+  else:
+    if fp8_inputs:
+      q, k, v, output_factor = fp8.dequantized(q, k, v, q_descale, k_descale, v_descale)
+    with backend.triton_deprecation_ignored():
+      out, stat = core(q, k, v, consts, block_masks, sinks, call=call)
   if output_factor is not None:
     out = (out.astype(jnp.float32) * output_factor[:, None, :, None]).astype(out.dtype)
   if not return_lse:
     return out
   return out, (None if call.analysis.rownorm.kind == "elementwise" else stat)
+
+
+def fp8_tensor_core_obstacle(call, q, v, core) -> str | None:
+  """Why the prepared call of an fp8 prefill cannot run on fp8 tensor cores
+  (`fp8.tensor_core_obstacle`), or None."""
+  d_qk, d_v = (lowering_lib.padded_head_dim(x.shape[3], call.forward_lowering,
+                                            call.backward_lowering) for x in (q, v))
+  return fp8.tensor_core_obstacle(q.dtype, call.analysis, call.config, call.forward_lowering,
+                                  d_qk, d_v, parallel=core is _attention)
 
 
 def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
@@ -275,7 +300,8 @@ class _Call:
 
 
 @functools.partial(jax.jit, static_argnames="call")
-def _attention(q, k, v, consts, block_masks, sinks, recorded=None, *, call: _Call):
+def _attention(q, k, v, consts, block_masks, sinks, recorded=None, descales=None, *,
+               call: _Call):
   """Pads to the blocks of both passes, runs the differentiable core, unpads.
 
   Jitted with the call's static part as the key, so that eager calls
@@ -283,7 +309,8 @@ def _attention(q, k, v, consts, block_masks, sinks, recorded=None, *, call: _Cal
   under an outer jit it is inlined. With `recorded` = (out, row statistic)
   it runs no forward: it returns those, and its gradient is attention's
   backward with them as the saved output and statistic (ring attention's
-  backward steps: each block of keys against the merged rows).
+  backward steps: each block of keys against the merged rows). With fp8
+  `descales` (`fp8.kernel_descales`) it runs the fp8 forward alone.
   """
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
@@ -302,7 +329,10 @@ def _attention(q, k, v, consts, block_masks, sinks, recorded=None, *, call: _Cal
       seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
       config=cfg, bwd_config=bwd_cfg, interpret=call.interpret,
       forward_lowering=call.forward_lowering, backward_lowering=call.backward_lowering)
-  if recorded is None:
+  if descales is not None:
+    out, stat = attention_vjp.fp8_forward(qp, kp, vp, consts, block_masks, sinks, descales,
+                                          spec=spec)
+  elif recorded is None:
     out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
   else:
     out, stat = recorded

@@ -36,8 +36,9 @@ SCHEMA = "pallas_attn.bench/1"
 MODES = ("fwd", "fwd_bwd")
 # pallas_attn: the default lowering; pallas_attn:<lowering>: that one, n/a where it cannot run.
 # cudnn: its own mask types only (cudnn:dense, for scripts, also takes a dense bias or mask).
-IMPLS = ("pallas_attn", "pallas_attn:mosaic_gpu", "pallas_attn:triton", "cudnn",
-         "jax_pallas_mha", "jax_mosaic_fp16", "xla")
+# pallas_attn_fp8: the same inputs in e4m3 (quantize_fp8 per head, outside the timing).
+IMPLS = ("pallas_attn", "pallas_attn:mosaic_gpu", "pallas_attn:triton", "pallas_attn_fp8",
+         "cudnn", "jax_pallas_mha", "jax_mosaic_fp16", "xla")
 VERSIONED = ("jax", "jaxlib", "torch", "triton", "flash-linear-attention", "mamba-ssm")
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128
 
@@ -292,6 +293,14 @@ def jax_forward(impl: str, c: Case, built: Built,
   NotImplementedError where it cannot express the case or run here."""
   from pallas_attn.kernels import backend
   interpret = backend.resolve_interpret(interpret)
+  if impl == "pallas_attn_fp8":
+    from pallas_attn import attention
+
+    def fp8_forward(q8, k8, v8, p):  # p: (the variant's params, the three descales)
+      params, (qd, kd, vd) = p
+      return attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                       **built.kwargs(params), interpret=interpret)
+    return fp8_forward, built.params
   if impl.startswith("pallas_attn"):
     from pallas_attn import attention
     lowering = impl.partition(":")[2] or None
@@ -324,6 +333,12 @@ def jax_call(impl: str, c: Case, mode: str, inputs: Inputs,
     if mode != "fwd":
       raise NotImplementedError("forward only")
     args = tuple(x.astype(jnp.float16) for x in args[:3]) + (None,)
+  if impl == "pallas_attn_fp8":
+    if mode != "fwd":
+      raise NotImplementedError("forward only")
+    from pallas_attn.fp8 import quantize_fp8
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(x) for x in args[:3])
+    args = (q8, k8, v8, (params, (qd, kd, vd)))
   if mode == "fwd":
     fn = jax.jit(forward)
   else:

@@ -218,8 +218,8 @@ def _describe_terms(template: str, analysis, shape: ProblemShape, config) -> str
 def cmd_explain(args) -> int:
   from pallas_attn.schedule.device import device_config
   from pallas_attn.spec.analysis import analyze_variant
-  fp8_prefill = args.dtype in FP8_DTYPES
-  if fp8_prefill:  # the kernels see the dequantized bfloat16 inputs
+  fp8_dtype = args.dtype if args.dtype in FP8_DTYPES else None
+  if fp8_dtype:  # prepared as the bfloat16 call of its dequantized inputs (api.attention)
     args.dtype = "bfloat16"
   shape = _shape(args)
   variant = load_variant(args.variant, shape)
@@ -229,8 +229,9 @@ def cmd_explain(args) -> int:
   print(f"variant {args.variant}")
   print(analysis.describe())
   from pallas_attn.kernels import backend, lowering
-  print(lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
-                        backend.default_interpret()).describe())
+  chosen = lowering.choose(None, analysis, shape.dtype, shape.d_qk, shape.d_v,
+                           backend.default_interpret())
+  print(chosen.describe())
   from pallas_attn import split_kv
   print(split_kv.describe_dispatch(analysis, shape.q_shape, shape.k_shape, shape.v_shape,
                                    shape.dtype))
@@ -239,9 +240,14 @@ def cmd_explain(args) -> int:
     print(describe_build(analysis, shape.batch, shape.heads_q, shape.seq_q, shape.seq_kv))
   if sinks is not None:
     print(f"sinks: {list(sinks.shape)} logits, one per query head, start each row's softmax state")
-  if fp8_prefill:
-    from pallas_attn import fp8
-    print(fp8.PREFILL_NOTE)
+  if fp8_dtype:
+    from pallas_attn import _templates, fp8
+    config, _ = _chosen_config(_templates.FORWARD[chosen.forward].name, analysis, shape)
+    d_qk, d_v = (lowering.padded_head_dim(d, chosen.forward, chosen.backward)
+                 for d in (shape.d_qk, shape.d_v))
+    print(fp8.prefill_note(fp8.tensor_core_obstacle(
+        fp8_dtype, analysis, config, chosen.forward, d_qk, d_v,
+        parallel=not split_kv.prefers_split_kv(shape.seq_q, shape.seq_kv))))
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
   for template in args.templates or running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)

@@ -1,13 +1,16 @@
 """fp8 inputs: `quantize_fp8` turns a cache (or q, k, v) into fp8 values and
 the descales `decode_attention` / `paged_attention` / `attention` take (real
 values are `x.astype(float32) * descale`, FlashAttention-3's convention);
-`dequantized` is the fp8 prefill's way in to the 16-bit kernels."""
+an fp8 prefill runs on fp8 wgmma where `tensor_core_obstacle` allows it
+(`kernel_descales` its factors), else `dequantized` is its way in to the
+16-bit kernels."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from pallas_attn import _inputs
+from pallas_attn.kernels import lowering, mosaic_forward
 
 GRANULARITIES = ("tensor", "head")
 
@@ -35,18 +38,34 @@ def quantize_fp8(x, *, per: str = "head", dtype=jnp.float8_e4m3fn):
   return jnp.clip(x / scale, -limit, limit).astype(dtype), descale.astype(jnp.float32)
 
 
-PREFILL_NOTE = ("fp8 q / k / v: dequantized to bfloat16 before the kernels (q's and k's "
-                "descales folded into q, v's into the output); no fp8 tensor-core template "
-                "yet, so the call runs at bfloat16's rate plus one conversion pass")
+def tensor_core_obstacle(dtype, analysis, config, forward_lowering: str, d_qk: int, d_v: int,
+                         parallel: bool) -> str | None:
+  """Why an fp8 prefill cannot run both products on fp8 wgmma (the Mosaic GPU
+  forward), or None; such a call is dequantized to bfloat16 first
+  (`dequantized`). `d_qk`, `d_v`: the padded head dims; `parallel`: the
+  call runs the parallel template (not the split-KV one of a few queries)."""
+  if forward_lowering != lowering.MOSAIC_GPU:
+    return f"the forward runs on {forward_lowering}"
+  if not parallel:
+    return "a few queries run the split-KV template"
+  if jnp.dtype(dtype) != jnp.dtype(jnp.float8_e4m3fn):
+    return f"{jnp.dtype(dtype).name} inputs: the fp8 products take float8_e4m3fn"
+  if analysis.rownorm.kind != "softmax":
+    return (f"the '{analysis.rownorm.name}' rownorm's weights are not bounded by 1, which "
+            "the weights' e4m3 tile needs")
+  return mosaic_forward.fp8_obstacle(config, d_qk, d_v)
 
 
-@jax.custom_vjp
-def _forward_only(x):
-  return x
-
-
-def _no_gradient(x):
-  return x, None
+def prefill_note(why: str | None) -> str:
+  """What an fp8 prefill runs (`pallas-attn explain`), from `tensor_core_obstacle`."""
+  if why is None:
+    return ("fp8 q / k / v: both products on fp8 wgmma (e4m3 weights through shared memory, "
+            "V transposed by one XLA pass; 256-key tiles without a mask_mod, the forward's "
+            "tiles below otherwise), descales folded into the score scale and the output; "
+            "bfloat16 output")
+  return (f"fp8 q / k / v: dequantized to bfloat16 before the kernels ({why}; q's and k's "
+          "descales folded into q, v's into the output): bfloat16's rate plus one "
+          "conversion pass")
 
 
 def _refuse_gradient(_, cotangent):
@@ -54,7 +73,31 @@ def _refuse_gradient(_, cotangent):
                    "differentiate a bfloat16 call, e.g. on x.astype(jnp.bfloat16) * descale")
 
 
-_forward_only.defvjp(_no_gradient, _refuse_gradient)
+def forward_only(fn):
+  """`fn`, whose differentiation raises a clear error."""
+  wrapped = jax.custom_vjp(fn)
+  wrapped.defvjp(lambda *args: (fn(*args), None), _refuse_gradient)
+  return wrapped
+
+
+_forward_only = forward_only(lambda x: x)
+
+
+def _per_query_head(descale, batch: int, heads: int, kv_heads: int):
+  """A kv-head descale as `[B, Hq]`: each query head's kv head's."""
+  return jnp.repeat(_inputs.per_head_descale(descale, batch, kv_heads), heads // kv_heads, axis=1)
+
+
+def kernel_descales(q_descale, k_descale, v_descale, batch: int, heads: int, kv_heads: int):
+  """`[B, Hq, 2]` float32 for the fp8 kernel: per query head, its scores'
+  factor (q's descale times its kv head's k descale) and its output's (v's).
+  The kernel's softmax takes the scores' factor inside its exp2, valid for a
+  positive factor: a negative one (a negative descale) is NaN here, so that
+  the output says so instead of being silently wrong."""
+  score = (_inputs.per_head_descale(q_descale, batch, heads)
+           * _per_query_head(k_descale, batch, heads, kv_heads))
+  score = jnp.where(score >= 0, score, jnp.nan)
+  return jnp.stack([score, _per_query_head(v_descale, batch, heads, kv_heads)], axis=-1)
 
 
 def dequantized(q, k, v, q_descale, k_descale, v_descale):
@@ -65,11 +108,9 @@ def dequantized(q, k, v, q_descale, k_descale, v_descale):
   output (every rownorm weighs v linearly). Differentiating raises."""
   batch, _, heads, _ = q.shape
   kv_heads = k.shape[2]
-
-  def kv_of_head(descale):  # [B, Hkv] -> [B, Hq]: each query head's kv head's
-    return jnp.repeat(_inputs.per_head_descale(descale, batch, kv_heads), heads // kv_heads,
-                      axis=1)
-  q_factor = _inputs.per_head_descale(q_descale, batch, heads) * kv_of_head(k_descale)
+  q_factor = (_inputs.per_head_descale(q_descale, batch, heads)
+              * _per_query_head(k_descale, batch, heads, kv_heads))
   q, k, v = (_forward_only(x) for x in (q, k, v))
   q = (q.astype(jnp.float32) * q_factor[:, None, :, None]).astype(jnp.bfloat16)
-  return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), kv_of_head(v_descale)
+  return (q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+          _per_query_head(v_descale, batch, heads, kv_heads))

@@ -72,6 +72,23 @@ def test_explain_shows_the_configs_of_the_passes_that_run(capsys, monkeypatch):
   assert "\nforward:" not in out
 
 
+def test_explain_says_how_an_fp8_prefill_runs(capsys, monkeypatch):
+  """On fp8 tensor cores where the Mosaic forward takes the call, else
+  dequantized, with the reason."""
+  code, out, _ = run(capsys, "explain", "causal", "--seq-q", "256", "--d-qk", "128",
+                     "--dtype", "float8_e4m3fn")
+  assert code == 0 and "dequantized to bfloat16 before the kernels (the forward runs on" in out
+  from pallas_attn.kernels import backend, mosaic_backend
+  monkeypatch.setattr(mosaic_backend, "unavailable", lambda: None)
+  monkeypatch.setattr(backend, "default_interpret", lambda: False)
+  for dtype, d, says in (("float8_e4m3fn", 128, "both products on fp8 wgmma"),
+                         ("float8_e4m3fn", 64, "take head dims padded to 128"),
+                         ("float8_e5m2", 128, "the fp8 products take float8_e4m3fn")):
+    code, out, _ = run(capsys, "explain", "causal", "--seq-q", "256", "--d-qk", str(d),
+                       "--dtype", dtype)
+    assert code == 0 and says in out, out
+
+
 def test_explain_verbose_lists_pruned_configs(capsys, variant_file):
   code, out, _ = run(capsys, "explain", variant_file, *TINY, "--verbose")
   assert code == 0 and "pruned block_q=64" in out and "> padded seq_q 32" in out

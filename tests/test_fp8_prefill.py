@@ -1,8 +1,9 @@
 """fp8 prefill (issue 40): `attention` on q, k, v of one fp8 dtype with
 FlashAttention-3's descales (real values are `x.astype(float32) *
 descale`), against the dense float32 reference on the dequantized inputs;
-forward only; the errors. The inputs are dequantized to bfloat16 before the
-kernels for now (`pallas_attn.fp8.PREFILL_NOTE`)."""
+forward only; the errors. On Hopper (`hopper`), e4m3 calls with head dims of
+128 and softmax rownorms run both products on fp8 wgmma; the others (and
+interpret mode) are dequantized to bfloat16 before the kernels."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 import pallas_attn as pa
 from conftest import MODES, assert_close
+from pallas_attn import api, fp8
 from pallas_attn import variants as V
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -84,3 +86,66 @@ def test_fp8_prefill_errors():
                                  interpret=True).astype(jnp.float32).sum()
   with pytest.raises(ValueError, match="fp8 attention is forward only"):
     jax.grad(loss)(q8)
+
+
+def test_negative_descales_give_nan_factors():
+  """The kernel's softmax takes the score factor inside its exp2: a negative
+  descale would be silently wrong there, so its factor is NaN."""
+  factors = fp8.kernel_descales(jnp.array([[1.0, -2.0]]), 0.5, 3.0, 1, 2, 1)
+  np.testing.assert_array_equal(np.isnan(np.asarray(factors[..., 0])), [[False, True]])
+  np.testing.assert_allclose(np.asarray(factors[0, 0]), [0.5, 3.0])
+
+
+_TABLE = jnp.asarray(np.random.default_rng(1).standard_normal((4, 511)), jnp.float32)
+RELATIVE_TABLE = V.Variant("relative table",
+                           score_mod=lambda s, b, h, qi, ki: s + _TABLE[h, qi - ki + 255])
+
+TENSOR_CORE_CASES = {
+    "vanilla": (V.Variant("vanilla"), dict()),
+    "causal-ragged": (V.causal(), dict(seq_q=300, seq_kv=300)),
+    "softcap-sq-ne-skv": (V.softcap(20.0) + V.causal(), dict(seq_q=200, seq_kv=333)),
+    "alibi-window": (V.alibi(num_heads=4) + V.sliding_window(100), dict(seq_q=384, seq_kv=384)),
+    "relative-table-d96": (RELATIVE_TABLE + V.causal(), dict(d=96)),
+}
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("per", ["head", "tensor"])
+@pytest.mark.parametrize("name", list(TENSOR_CORE_CASES))
+def test_fp8_tensor_cores_match_the_dequantized_reference(name, per):
+  variant, shape = TENSOR_CORE_CASES[name]
+  shape = dict(dict(seq_q=256, seq_kv=256, heads=4, kv_heads=2, d=128), **shape)
+  quantized = [pa.quantize_fp8(x, per=per) for x in inputs(**shape)]
+  (q8, qd), (k8, kd), (v8, vd) = quantized
+  prepared = api._prepare(*(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q8, k8, v8)),
+                          **variant.kwargs())
+  call, core = prepared[0], prepared[-1]
+  assert api.fp8_tensor_core_obstacle(call, q8, v8, core) is None
+  out, lse = pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                          return_lse=True, **variant.kwargs())
+  assert out.dtype == jnp.bfloat16
+  real = [dequantized(x, d) for x, d in quantized]
+  want, want_lse = pa.attention_reference(*real, return_lse=True, **variant.kwargs())
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  # Each weight rounds to e4m3 (3 mantissa bits) before the PV product.
+  assert_close(out, want, jnp.bfloat16, factor=4)
+  assert_close(lse, want_lse, jnp.bfloat16)
+
+
+@pytest.mark.hopper
+def test_fp8_tensor_cores_under_jit_with_sinks():
+  (q8, qd), (k8, kd), (v8, vd) = (pa.quantize_fp8(x) for x in inputs(200, 270, d=128))
+  sinks = jnp.linspace(-1.0, 1.0, 4)
+
+  @jax.jit
+  def call(q8, k8, v8, qd, kd, vd):
+    return pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, sinks=sinks,
+                        return_lse=True, **V.causal().kwargs())
+  out, lse = call(q8, k8, v8, qd, kd, vd)
+  real = [dequantized(x, d) for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+  want, want_lse = pa.attention_reference(*real, sinks=sinks, return_lse=True,
+                                          **V.causal().kwargs())
+  assert_close(out, want, jnp.bfloat16, factor=4)
+  assert_close(lse, want_lse, jnp.bfloat16)
+  with pytest.raises(ValueError, match="fp8 attention is forward only"):
+    jax.grad(lambda q8: call(q8, k8, v8, qd, kd, vd)[0].astype(jnp.float32).sum())(q8)

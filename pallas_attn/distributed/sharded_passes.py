@@ -24,6 +24,7 @@ OUT_DIMS = Dims((BATCH, None, HEADS, None), "the output")
 ROW_DIMS = Dims((BATCH, HEADS, None), "the row statistics")
 ROW_STATS_DIMS = Dims((BATCH, HEADS, None, None), "the row statistics")
 SINK_DIMS = Dims((HEADS,), "sinks")
+DESCALE_DIMS = Dims((BATCH, HEADS, None), "the fp8 descales")
 
 
 def _consts_dims(spec, consts, q) -> tuple:
@@ -53,19 +54,22 @@ def _localized(spec, consts, shard):
   return dataclasses.replace(spec, analysis=analysis), consts
 
 
-def forward(run, spec, q, k, v, consts, block_mask, sinks):
-  """`run(spec, q, k, v, consts, block_mask, sinks)` -> (out, stat,
-  row_stats or None), partitioned over batch and heads."""
-  def local(shard, q, k, v, consts, block_mask, sinks):
+def forward(run, spec, q, k, v, consts, block_mask, sinks, descales=None):
+  """`run(spec, q, k, v, consts, block_mask, sinks[, descales])` -> (out,
+  stat, row_stats or None), partitioned over batch and heads; `descales`:
+  an fp8 call's `[B, Hq, 2]` factors, passed on where given."""
+  def local(shard, q, k, v, consts, block_mask, sinks, descales):
     local_spec, local_consts = _localized(spec, consts, shard)
-    return run(local_spec, q, k, v, local_consts, block_mask, sinks)
+    fp8 = () if descales is None else (descales,)
+    return run(local_spec, q, k, v, local_consts, block_mask, sinks, *fp8)
 
   arg_dims = (Q_DIMS, KV_DIMS, KV_DIMS, _consts_dims(spec, consts, q),
-              _block_mask_dims(block_mask), None if sinks is None else SINK_DIMS)
+              _block_mask_dims(block_mask), None if sinks is None else SINK_DIMS,
+              None if descales is None else DESCALE_DIMS)
   out_dims = (OUT_DIMS, ROW_DIMS,
               ROW_STATS_DIMS if spec.analysis.rownorm.kind == "normalized" else None)
-  return partitioned(local, (q, k, v, consts, block_mask, sinks), arg_dims, out_dims,
-                     group=spec.group)
+  return partitioned(local, (q, k, v, consts, block_mask, sinks, descales), arg_dims,
+                     out_dims, group=spec.group)
 
 
 def backward(run, spec, res, d_out, d_stat):

@@ -94,9 +94,11 @@ def compiler_params(fast_math: bool):
   return plgpu.CompilerParams(approx_math=fast_math)
 
 
-def smem_transforms():
-  """Shared-memory tiling for 16-bit `[rows, 64k]` operands of wgmma and TMA."""
-  return (plgpu.TilingTransform((8, SWIZZLE_BYTES // 2)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+def smem_transforms(itemsize: int = 2):
+  """Shared-memory tiling for `[rows, 128 bytes * k]` operands of wgmma and
+  TMA (16-bit ones `[rows, 64k]`, fp8 ones `[rows, 128k]`)."""
+  return (plgpu.TilingTransform((8, SWIZZLE_BYTES // itemsize)),
+          plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
 def as_tile(x):

@@ -56,21 +56,55 @@ def _visits(plan: ForwardPlan, list_refs, b, h, qi):
   return mb.block_visits(list_refs, b, h, qi, num_plain, plan.num_kv_blocks)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PVOperands:
+  """How a consumer hands a tile's weights and V to the PV wgmma. 16-bit
+  inputs: the weights from registers, V's `[keys, d]` tile. fp8 ones: 8-bit
+  wgmma takes A from registers only in a layout Pallas does not infer, and
+  no transposed B, so the weights go through an e4m3 shared-memory tile per
+  consumer, written once the previous tile's PV has read it, and V arrives
+  transposed, `[d, keys]` (`benchmarks/results/2026-11-27_h200/probe_fp8_wgmma.log`).
+  A tile's weights pass `cast` after its softmax, then `store` once the
+  previous PV is done; `weights` is what the PV takes."""
+  dtype: object         # the weights' dtype: V's
+  v_smem: object        # the K/V ring's V slots
+  p_tile: object = None  # fp8: this consumer's [rows, block_k] weight tile
+
+  def cast(self, w):
+    return w if self.p_tile is not None else w.astype(self.dtype)
+
+  def store(self, w):
+    if self.p_tile is None:
+      return w
+    self.p_tile[...] = w.astype(self.dtype)
+    mb.plgpu.commit_smem()
+    return ()
+
+  def weights(self, held):
+    return held if self.p_tile is None else self.p_tile
+
+  def values(self, slot):
+    return self.v_smem.at[slot] if self.p_tile is None else self.v_smem.at[slot].T
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
-            num_q_blocks: int, shared_qo: bool):
+            num_q_blocks: int, shared_qo: bool, fp8: bool):
   n_caps = len(plan.operands)
   cap_refs, rest = refs[:n_caps], refs[n_caps:]
-  sink_ref = None
+  sink_ref = descale_ref = None
   if plan.has_sink:
     sink_ref, rest = rest[0], rest[1:]
+  if fp8:
+    descale_ref, rest = rest[0], rest[1:]
   list_refs = None
   if plan.block_sparse:
     list_refs, rest = rest[:4], rest[4:]
   out_ref, lse_ref, q_smem, *rest = rest
   o_smem = q_smem if shared_qo else rest.pop(0)
-  lse_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
+  lse_smem, *rest = rest
+  p_smem = rest.pop(0) if fp8 else None
+  k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
   schedule = schedule[0] if schedule else None
-  dtype = q_ref.dtype
   bk, rows = plan.block_k, mb.WG_ROWS
   qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
   b, h = lax.axis_index("b"), lax.axis_index("h")
@@ -90,9 +124,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
 
     def load(step, kv_block, sub, masked, carry):
       del sub, masked
-      rows_kv = (b, pl.ds(kv_block * bk, bk), kv_head)
-      mb.refill(step, stages, ((k_ref.at[rows_kv], k_smem, k_ready, k_free),
-                               (v_ref.at[rows_kv], v_smem, v_ready, v_free)))
+      keys = pl.ds(kv_block * bk, bk)
+      v_tile = v_ref.at[b, kv_head, :, keys] if fp8 else v_ref.at[b, keys, kv_head]
+      mb.refill(step, stages, ((k_ref.at[b, keys, kv_head], k_smem, k_ready, k_free),
+                               (v_tile, v_smem, v_ready, v_free)))
       return carry
 
     mb.fold_visits(visits, load, None)
@@ -115,15 +150,19 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     fold_bias = (separable and sink_ref is None and plan.scale > 0
                  and plan.online.logits_are_scores())
     qk_scale = plan.scale * LOG2E if fold or fold_bias else plan.scale
+    if fp8:  # the real scores: the e4m3 product times q's and k's descales
+      qk_scale = qk_scale * descale_ref[b, h, 0]
+    pv = _PVOperands(v_ref.dtype, v_smem, p_smem.at[wg] if fp8 else None)
     if separable:  # the bias's part along the rows, once (spec/separable.py)
       bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
     sink2 = None if sink_ref is None else sink_ref[h]
-    row_state = tuple(online.init(rows, v_ref.shape[-1], sink2)[1:])
+    d_v = o_tile.shape[-1]
+    row_state = tuple(online.init(rows, d_v, sink2)[1:])
     mb.plgpu.barrier_wait(q_ready.at[wg])
 
     def weigh(s, kv_block, masked: bool, row_state):
-      """One tile's scores -> (weights in the input dtype, the accumulator's
-      per-row factor or None, the new row state)."""
+      """One tile's scores -> (float32 weights, the accumulator's per-row
+      factor or None, the new row state)."""
       kv_start = kv_block * bk
       # Index tiles are built per step, not held across the loop (64 registers each).
       q_idx = mb.tile_indices(q_start, (rows, bk), 0)
@@ -142,7 +181,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
                                          bk) if separable else tile)
         s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
         w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx)
-      return w.astype(dtype), acc_factor, state[1:]
+      return w, acc_factor, state[1:]
 
     def fold_block(step, kv_block, sub, masked: bool, state):
       del sub  # one sub-step per visit
@@ -156,6 +195,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       s = pl.run_scoped(qk, mb.plgpu.ACC((rows, bk), jnp.float32))
       mb.plgpu.barrier_arrive(k_free.at[slot])
       w, acc_factor, row_state = weigh(s, kv_block, masked, tuple(state[1:]))
+      held = pv.store(pv.cast(w))
       acc = online.rescale(state[0], acc_factor)
       if schedule is not None:
         mb.plgpu.barrier_arrive(schedule)
@@ -163,31 +203,32 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       if schedule is not None:
         mb.plgpu.barrier_wait(schedule)
 
-      def pv(acc_ref):
-        mb.plgpu.wgmma(acc_ref, w, v_smem.at[slot])
+      def product(acc_ref):
+        mb.plgpu.wgmma(acc_ref, pv.weights(held), pv.values(slot))
         nxt = step + 1
 
         @pl.when(nxt < num_visits)
         def _():
           mb.plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
 
-      acc = pl.run_state(pv)(mb.plgpu.ACC.init(acc))
+      acc = pl.run_state(product)(mb.plgpu.ACC.init(acc))
       mb.plgpu.barrier_arrive(v_free.at[slot])
       return (acc,) + row_state
 
     # The unmasked visits overlap each tile's softmax with the previous
     # tile's PV (_overlapped_loop); masked tiles, which need more registers,
-    # and 256-key tiles (two score tiles overflow the registers: d 64 ran
-    # 462 -> 338 TFLOP/s on an H200) take one step at a time (fold_block).
+    # and 16-bit 256-key tiles (a score tile and the weights held for the PV
+    # overflow the registers: d 64 ran 462 -> 338 TFLOP/s on an H200; fp8's
+    # weights wait in shared memory) take one step at a time (fold_block).
     full_num, full_at = visits[0]
-    if bk <= 128 and not (isinstance(full_num, int) and full_num == 0):
+    if (bk <= 128 or fp8) and not (isinstance(full_num, int) and full_num == 0):
       acc, row_state = _overlapped_loop(
           full_num, full_at, weigh, online.rescale, row_state, q_tile=q_tile, k_smem=k_smem,
-          v_smem=v_smem, barriers=(k_ready, v_ready, k_free, v_free), stages=stages, block_k=bk,
-          d_v=v_ref.shape[-1], may_be_empty=plan.block_sparse)
+          pv=pv, barriers=(k_ready, v_ready, k_free, v_free), stages=stages, block_k=bk,
+          d_v=d_v, may_be_empty=plan.block_sparse)
       skip = full_num
     else:
-      acc, skip = online.rows.zeros_tile(rows, v_ref.shape[-1]), 0
+      acc, skip = online.rows.zeros_tile(rows, d_v), 0
     # fold_block's consumers pass a shared barrier twice per step, the second
     # one phase behind: one's softmax runs while the other's products do.
     if schedule is not None:
@@ -203,7 +244,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     out, lse = online.finalize(state)
     if fold_bias:
       lse = lse + bias_rows
-    o_tile[...] = out.astype(dtype)
+    if fp8:  # v's descale
+      out = out * descale_ref[b, h, 1]
+    o_tile[...] = out.astype(o_tile.dtype)
     lse_tile[...] = lse
     mb.plgpu.commit_smem()
     mb.plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, pl.ds(q_start, rows), h])
@@ -211,7 +254,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     mb.plgpu.wait_smem_to_gmem(0)
 
 
-def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_smem, v_smem,
+def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_smem, pv,
                      barriers, stages: int, block_k: int, d_v: int, may_be_empty: bool):
   """A consumer's walk over its first `count` kv visits (blocks
   `block_at(j)`, unmasked) with FlashAttention-3's intra-warpgroup overlap:
@@ -222,7 +265,9 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   each other (FlashAttention-3's turn-taking, consumer wg waiting for the
   other's issue before its own, made the loop 4-5% slower: Nsight Compute's
   locked-clock kernel time on an H200, vanilla 4k 1.075 -> 1.030 ms, 16k
-  4.03 -> 3.84 ms without it). Returns (accumulator, row state).
+  4.03 -> 3.84 ms without it; fp8's loop too, 0.685 -> 0.747 ms at vanilla
+  4k with 256-key tiles, `benchmarks/results/NOTES.md`). Returns
+  (accumulator, row state).
 
   The walk is one branch of a cond when it may be empty: a cond around the
   first step or the last PV alone makes ptxas serialize every wgmma of the
@@ -235,7 +280,7 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
       mb.plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
       if pending is not None:
         o_ref, w_prev, prev = pending
-        mb.plgpu.wgmma(o_ref, w_prev, v_smem.at[prev])
+        mb.plgpu.wgmma(o_ref, w_prev, pv.values(prev))
       return mb.plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if pending is None else 1)
 
     s = pl.run_scoped(issue, mb.plgpu.ACC((rows, block_k), jnp.float32))
@@ -245,24 +290,27 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   def walk(o_ref):
     mb.plgpu.barrier_wait(k_ready.at[0])
     w, _, state = weigh(scores(0, None), block_at(0), False, row_state)
+    held = pv.store(pv.cast(w))
 
     def step(j, carry):
-      w_prev, state = carry
+      held, state = carry
       slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
       mb.plgpu.barrier_wait(k_ready.at[slot])
       mb.plgpu.barrier_wait(v_ready.at[prev])
-      s = scores(slot, (o_ref, w_prev, prev))
+      s = scores(slot, (o_ref, pv.weights(held), prev))
       w, acc_factor, state = weigh(s, block_at(j), False, state)
+      w = pv.cast(w)
       acc = o_ref[...]  # waits for tile j-1's PV
       mb.plgpu.barrier_arrive(v_free.at[prev])
+      held = pv.store(w)
       if acc_factor is not None:
         o_ref[...] = rescale(acc, acc_factor)
-      return w, state
+      return held, state
 
-    w, state = lax.fori_loop(1, count, step, (w, state))
+    held, state = lax.fori_loop(1, count, step, (held, state))
     last = lax.rem(count - 1, stages)
     mb.plgpu.barrier_wait(v_ready.at[last])
-    mb.plgpu.wgmma(o_ref, w, v_smem.at[last])
+    mb.plgpu.wgmma(o_ref, pv.weights(held), pv.values(last))
     acc = o_ref[...]
     mb.plgpu.barrier_arrive(v_free.at[last])
     return acc, state
@@ -273,37 +321,79 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   return lax.cond(count > 0, run, lambda: (mb.ROWS.zeros_tile(rows, d_v), row_state))
 
 
-def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int) -> int:
+def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
+                        fp8: bool = False) -> int:
   """Shared memory of one program at `config` on padded head dims: the q
-  tile (the output tile shares it when the head dims agree), the row
-  statistics and the K/V ring."""
+  tile (the output tile shares it when the head dims agree and it is not
+  fp8's bfloat16 output), the row statistics, fp8's weight tiles and the K/V
+  ring."""
   rows = config.block_q
-  q_and_out = rows * (d_qk if d_qk == d_v else d_qk + d_v) * itemsize
+  if fp8:
+    q_and_out = rows * (d_qk + 2 * d_v) + rows * config.block_k
+  else:
+    q_and_out = rows * (d_qk if d_qk == d_v else d_qk + d_v) * itemsize
   return q_and_out + rows * 4 + config.num_stages * config.block_k * (d_qk + d_v) * itemsize
 
 
+FP8_HEAD_DIM = 128  # fp8's tiles: 128-byte swizzled rows, shared memory at 128 keys
+
+
+def fp8_config(config: AttentionConfig, block_sparse: bool, seq_kv: int) -> AttentionConfig:
+  """An fp8 call's tiles from its 16-bit default: 256 keys per step where no
+  block mask lists the tiles (the weights wait in shared memory, so a score
+  tile of 256 fits the registers: vanilla 16k 2.65 -> 2.47 ms on an H200;
+  causal 4k 0.43 -> 0.55 with its masked 256-key tiles, so masks keep 128)."""
+  if block_sparse or seq_kv < 256:
+    return config
+  return dataclasses.replace(config, block_k=256)
+
+
+def fp8_obstacle(config: AttentionConfig, d_qk: int, d_v: int) -> str | None:
+  """Why the fp8 forward cannot take these tiles and padded head dims, or None."""
+  if (d_qk, d_v) != (FP8_HEAD_DIM, FP8_HEAD_DIM):
+    return (f"fp8 tensor cores take head dims padded to {FP8_HEAD_DIM}; these pad to "
+            f"({d_qk}, {d_v})")
+  if config.block_k % 128:
+    return f"fp8 tensor cores take 128-key tiles or multiples; block_k is {config.block_k}"
+  return None
+
+
 def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardPlan,
-            config: AttentionConfig, interpret: bool):
+            config: AttentionConfig, interpret: bool, descales=None):
   """Runs the Mosaic GPU forward on padded inputs; the contract of
   parallel_forward.forward (softmax and elementwise rownorms: no row
   statistics beyond the lse). `config.block_q` is the q rows per program
-  (64 per consumer warpgroup), `config.num_stages` the K/V ring depth."""
+  (64 per consumer warpgroup), `config.num_stages` the K/V ring depth.
+
+  fp8 q, k, v (e4m3, `fp8_obstacle` None) take `descales` `[B, Hq, 2]`
+  float32: per query head, the factor of its scores (q's descale times its
+  kv head's k descale) and of its output (v's); both products run on fp8
+  wgmma and the output is bfloat16. V is transposed here (one XLA pass, V's
+  bytes) for the PV product's K-major operand."""
   del interpret  # compiled only (mosaic_backend.unavailable)
   batch, seq_q_pad, heads, d_qk = q.shape
   d_v = v.shape[-1]
+  fp8 = descales is not None
+  out_dtype = jnp.bfloat16 if fp8 else q.dtype
   consumers = plan.block_q // mb.WG_ROWS
   stages = max(1, min(config.num_stages, plan.num_kv_blocks))
   num_q_blocks = seq_q_pad // plan.block_q
-  transforms = mb.smem_transforms()
-  # The output tile reuses q's shared memory when the head dims agree.
-  shared_qo = d_qk == d_v
+  transforms = mb.smem_transforms(q.dtype.itemsize)
+  # The output tile reuses q's shared memory when the head dims and dtypes agree.
+  shared_qo = d_qk == d_v and not fp8
   scratch = [mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_qk), q.dtype, transforms=transforms)]
   if not shared_qo:
-    scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_v), q.dtype, transforms=transforms))
+    scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_v), out_dtype,
+                                 transforms=mb.smem_transforms(jnp.dtype(out_dtype).itemsize)))
+  scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS), jnp.float32))
+  if fp8:
+    scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, plan.block_k), v.dtype,
+                                 transforms=transforms))
+    v = jnp.transpose(v, (0, 2, 3, 1))  # [B, Hkv, Dv, Skv]
+  v_tile = (d_v, plan.block_k) if fp8 else (plan.block_k, d_v)
   scratch += [
-      mb.plgpu.SMEM((consumers, mb.WG_ROWS), jnp.float32),
       mb.plgpu.SMEM((stages, plan.block_k, d_qk), k.dtype, transforms=transforms),
-      mb.plgpu.SMEM((stages, plan.block_k, d_v), v.dtype, transforms=transforms),
+      mb.plgpu.SMEM((stages, *v_tile), v.dtype, transforms=transforms),
       mb.plgpu.Barrier(num_barriers=consumers),
       mb.plgpu.Barrier(num_barriers=stages),
       mb.plgpu.Barrier(num_barriers=stages),
@@ -313,11 +403,12 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   if consumers == 2:
     scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))  # fold_block's ping-pong
   sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
+  descale_inputs = (descales,) if fp8 else ()
   kernel = mb.kernel(
       functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,
-                        num_q_blocks=num_q_blocks, shared_qo=shared_qo),
+                        num_q_blocks=num_q_blocks, shared_qo=shared_qo, fp8=fp8),
       name="pallas_attn_mosaic_forward",
-      out_type=[jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), q.dtype),
+      out_type=[jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), out_dtype),
                 jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32)],
       scratch_types=scratch,
       # Heads vary fastest: programs running together share a q block and
@@ -329,7 +420,7 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
       thread_name="wg",
       compiler_params=mb.compiler_params(plan.fast_math),
   )
-  out, lse = kernel(q, k, v, *capture_arrays, *sink_inputs, *block_mask_arrays)
+  out, lse = kernel(q, k, v, *capture_arrays, *sink_inputs, *descale_inputs, *block_mask_arrays)
   return out, lse, None
 
 

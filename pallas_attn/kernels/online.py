@@ -158,7 +158,8 @@ class OnlineRowNorm:
       acc, m, l = state
       t = self.weights(s) if log2_logits is None else log2_logits
       t = _keep(t, keep, -jnp.inf)
-      scaled = (lambda x: x) if logit_scale == 1.0 else (lambda x: x * logit_scale)
+      unit = isinstance(logit_scale, (int, float)) and logit_scale == 1.0  # else maybe traced
+      scaled = (lambda x: x) if unit else (lambda x: x * logit_scale)
       m_new = jnp.maximum(m, scaled(self.rows.reduce(jnp.max, t)))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)

@@ -69,7 +69,7 @@ def _plan_fields(spec: CoreSpec, config: AttentionConfig, operands, block_sparse
               fast_math=not (spec.fp32_exact or spec.interpret), has_sink=has_sink)
 
 
-def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
+def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks, descales=None):
   # Mosaic GPU reads a term from its vector (mosaic_backend.diagonal_tile); Triton from banks.
   mosaic = spec.forward_lowering == lowering.MOSAIC_GPU
   capture_arrays, operands = tiles.capture_operands(
@@ -78,13 +78,14 @@ def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks):
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
   lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
+  fp8 = {} if descales is None else {"descales": descales}  # the Mosaic forward's
   if mosaic:
     from pallas_attn.kernels import mosaic_forward
     template = mosaic_forward
   else:
     template = parallel_forward
   return template.forward(q, k, v, capture_arrays, sinks, lists, plan=plan,
-                          config=spec.config, interpret=spec.interpret)
+                          config=spec.config, interpret=spec.interpret, **fp8)
 
 
 @functools.partial(
@@ -120,6 +121,15 @@ def attention_core(q, k, v, consts, block_masks, sinks, *, spec: CoreSpec):
   core.defvjp(functools.partial(_core_fwd, spec), functools.partial(_core_bwd, spec),
               symbolic_zeros=True)
   return core(q, k, v, consts, block_masks, sinks)
+
+
+def fp8_forward(q, k, v, consts, block_masks, sinks, descales, *, spec: CoreSpec):
+  """The forward alone on padded fp8 inputs (fp8 attention has no backward;
+  api.py refuses its gradient), `descales` from `fp8.kernel_descales`.
+  Returns (out in bfloat16, row statistic)."""
+  out, stat, _ = sharded_passes.forward(_forward, spec, q, k, v, consts,
+                                        _pass_mask(block_masks, 0), sinks, descales)
+  return out, stat
 
 
 def recorded_core(q, k, v, consts, block_masks, sinks, out, stat, *, spec: CoreSpec):
