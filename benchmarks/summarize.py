@@ -516,6 +516,40 @@ def fp8_decoding(folders) -> list[str]:
           f"{max(ratios):.2f}: {met(min(ratios) >= 1.8)}."]
 
 
+FP8_PREFILL_ROWS = [("vanilla B4 S4k", "vanilla_4k", 1.5), ("causal B4 S4k", "causal_4k", 1.5),
+                    ("vanilla B1 S16k", "vanilla_16k", 1.5), ("causal B1 S16k", "causal_16k", 1.5),
+                    ("softcap B4 S4k", "softcap_4k", 1.4),
+                    ("relative table B4 S4k", "rel_table_4k", 1.4)]
+
+
+def fp8_prefill(folders) -> list[str]:
+  """Issue 40's prefill table: e4m3 q, k, v against our bf16 forward and
+  cuDNN's (kernel time ratios, bf16 time / fp8 time), with the errors of
+  `training.fp8_accuracy`."""
+  src = Source(folders, [(c, "pallas_attn_fp8", "fwd", ("kernel",))
+                         for _, c, _ in FP8_PREFILL_ROWS])
+  rows, short = [], []
+  for label, c, target in FP8_PREFILL_ROWS:
+    fp8 = src.row(c, "pallas_attn_fp8", "fwd")
+    ours = src.ratio((c, "pallas_attn", "fwd"), (c, "pallas_attn_fp8", "fwd"))
+    cudnn = src.ratio((c, "cudnn", "fwd"), (c, "pallas_attn_fp8", "fwd"))
+    if not ours or ours[0] < target:
+      short.append(f"{label} {num(ours and ours[0])} (target {target})")
+    extra = src.row(c, "pallas_attn_fp8", "fwd", ("throughput",))["extra"]
+    error = lambda key: num(extra.get(key), ".4f")
+    rows.append([label, f"{fp8['time_ms']:.3f}", tflops(fp8), ratio_cell(ours, True),
+                 ratio_cell(cudnn),
+                 " / ".join(error(k + suffix) for suffix in ("", "_outliers")
+                            for k in ("bf16_vs_f32", "fp8_vs_dequantized",
+                                      "fp8_vs_bf16_inputs"))])
+  header = ["case (d 128, H16)", "fp8 ms", "fp8 TFLOP/s", "our bf16 / fp8", "cuDNN bf16 / fp8",
+            "rel. error: bf16, fp8 vs dequantized, fp8 vs bf16 inputs; same with outliers"]
+  return [f"Forward kernel time per call, median of alternating rounds. {src.caption()}", "",
+          *table(header, rows), "",
+          "- fp8 prefill >= 1.5x our bf16 forward (vanilla, causal), >= 1.4x (softcap, "
+          f"relative table): {met(not short)}" + (f" ({'; '.join(short)})." if short else ".")]
+
+
 def _multi_gpu_docs() -> tuple[list, dict | None]:
   """(every `multi_gpu*.json` but `*_before.json`, newest folder first, so
   that each case's newest run wins; the newest `multi_gpu_before.json` or
@@ -890,6 +924,7 @@ SECTIONS = [("user_variants", "Issue 37: every variant in both mask forms, and f
             ("train_example", "Issue 16: a small LM trained with the layers", train_example),
             ("decoding", "Issue 17: split-KV decoding", decoding),
             ("fp8_decoding", "Issue 40: decoding from an fp8 cache", fp8_decoding),
+            ("fp8_prefill", "Issue 40: fp8 prefill on fp8 tensor cores", fp8_prefill),
             ("multi_gpu", "Issues 41 and 42: several GPUs of one host", multi_gpu),
             ("chunked_hopper", "Issue 38: the chunked-recurrent pattern on Hopper",
              chunked_hopper),
