@@ -259,8 +259,11 @@ def newest_cells(folders, required: list) -> Source:
 
 
 def user_variants(folders) -> list[str]:
-  src = _newest_first(Source(folders, [(f"vanilla_{s}", "pallas_attn", m, ("kernel",))
-                                       for s in USER_SEQS for m in MODES]))
+  """Issue 37's table: each cell from the newest run of the user suites
+  (`training_user*` files, any folder) that has it."""
+  src = newest_cells(folders, [(f"vanilla_{s}", "pallas_attn", m, ("kernel",))
+                               for s in USER_SEQS for m in MODES])
+  src.files = [d for d in src.files if os.path.basename(d["path"]).startswith("training_user")]
   calls, cached = first_call_source(folders)
   slowest = {m: (0.0, "") for m in MODES}
   missing = {m: [] for m in MODES}
