@@ -149,3 +149,24 @@ def test_fp8_tensor_cores_under_jit_with_sinks():
   assert_close(lse, want_lse, jnp.bfloat16)
   with pytest.raises(ValueError, match="fp8 attention is forward only"):
     jax.grad(lambda q8: call(q8, k8, v8, qd, kd, vd)[0].astype(jnp.float32).sum())(q8)
+
+
+def test_fp8_tiles_and_their_obstacles():
+  """256 keys per step without a block mask (the weights leave registers),
+  the 16-bit tiles otherwise; head dims, key tiles and shared memory the fp8
+  forward cannot take send the call to the dequantized path with a reason."""
+  from pallas_attn.kernels import mosaic_forward
+  from pallas_attn.schedule.config import AttentionConfig
+  base = AttentionConfig(block_q=128, block_k=128, num_warps=12, num_stages=4)
+  assert mosaic_forward.fp8_config(base, block_sparse=False, seq_kv=4096) == AttentionConfig(
+      block_q=128, block_k=256, num_warps=12, num_stages=2)
+  assert mosaic_forward.fp8_config(base, block_sparse=True, seq_kv=4096) == base
+  assert mosaic_forward.fp8_config(base, block_sparse=False, seq_kv=200) == base
+  assert mosaic_forward.fp8_obstacle(base, 128, 128) is None
+  for config, dims, says in (
+      (base, (64, 64), "head dims padded to 128"),
+      (AttentionConfig(block_q=128, block_k=64, num_warps=12, num_stages=2), (128, 128),
+       "128-key tiles"),
+      (AttentionConfig(block_q=128, block_k=256, num_warps=12, num_stages=3), (128, 128),
+       "KiB of shared memory")):
+    assert says in mosaic_forward.fp8_obstacle(config, *dims)

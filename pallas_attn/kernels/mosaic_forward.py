@@ -348,7 +348,7 @@ def fp8_config(config: AttentionConfig, block_sparse: bool, seq_kv: int) -> Atte
   causal 4k 0.43 -> 0.55 with its masked 256-key tiles, so masks keep 128)."""
   if block_sparse or seq_kv < 256:
     return config
-  return dataclasses.replace(config, block_k=256)
+  return dataclasses.replace(config, block_k=256, num_stages=2)
 
 
 def fp8_obstacle(config: AttentionConfig, d_qk: int, d_v: int) -> str | None:
@@ -358,6 +358,10 @@ def fp8_obstacle(config: AttentionConfig, d_qk: int, d_v: int) -> str | None:
             f"({d_qk}, {d_v})")
   if config.block_k % 128:
     return f"fp8 tensor cores take 128-key tiles or multiples; block_k is {config.block_k}"
+  smem = shared_memory_bytes(config, d_qk, d_v, 1, fp8=True) + mb.SMEM_SLACK
+  if smem > mb.HOPPER_SMEM:
+    return (f"the fp8 tiles of {config} need {smem // 1024} KiB of shared memory, over "
+            f"{mb.HOPPER_SMEM // 1024}")
   return None
 
 
