@@ -59,11 +59,12 @@ def _visits(plan: ForwardPlan, list_refs, b, h, qi):
 @dataclasses.dataclass(frozen=True)
 class _PVOperands:
   """How a consumer hands a tile's weights and V to the PV wgmma. 16-bit
-  inputs: the weights from registers, V's `[keys, d]` tile. fp8 ones: 8-bit
-  wgmma takes A from registers only in a layout Pallas does not infer, and
-  no transposed B, so the weights go through an e4m3 shared-memory tile per
-  consumer, written once the previous tile's PV has read it, and V arrives
-  transposed, `[d, keys]` (`benchmarks/results/2026-11-27_h200/probe_fp8_wgmma.log`).
+  inputs: the weights from registers, V's `[keys, d]` tile. fp8 ones: the
+  weights go through an e4m3 shared-memory tile per consumer, written once
+  the previous tile's PV has read it (Pallas infers no layout for 8-bit A
+  operands in registers; regrouped into one by hand they ran 3-4% slower,
+  `benchmarks/results/NOTES.md`), and V arrives transposed, `[d, keys]`
+  (8-bit wgmma takes no transposed B).
   A tile's weights pass `cast` after its softmax, then `store` once the
   previous PV is done; `weights` is what the PV takes."""
   dtype: object         # the weights' dtype: V's
