@@ -128,6 +128,37 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
   return summary
 
 
+def check_fp8_sharding(config, interpret, mesh_shape):
+  """fp8 attention under jit on q, k, v and their descales sharded over batch
+  and heads: the output the float32 reference gives on the dequantized
+  inputs, sharded as q. Compiled on Hopper (head dims 128) it runs the fp8
+  tensor-core forward with each shard's descales; in interpret mode, the
+  dequantized path."""
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  batch, heads, kv_heads = 2 * mesh_shape[0], 2 * mesh_shape[1], mesh_shape[1]
+  d = 16 if interpret else 128
+  quantized = [pa.quantize_fp8(x) for x in random_qkv(batch, 40, heads, kv_heads, d, d,
+                                                       jnp.float32)]
+  real = [x8.astype(jnp.float32) * descale[:, None, :, None] for x8, descale in quantized]
+  qkv_sharding = NamedSharding(mesh, P("data", None, "model"))
+  args = [jax.device_put(x8, qkv_sharding) for x8, _ in quantized]
+  args += [jax.device_put(descale, NamedSharding(mesh, P("data", "model")))
+           for _, descale in quantized]
+  kwargs = variants.causal().kwargs()
+
+  @jax.jit
+  def ours(q8, k8, v8, q_descale, k_descale, v_descale):
+    return pa.attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale,
+                        v_descale=v_descale, config=config, interpret=interpret, **kwargs)
+  got = ours(*args)
+  error = rel_err(got, pa.attention_reference(*real, **kwargs))
+  limit = TOLERANCE[jnp.bfloat16] * (1 if interpret else 2)  # e4m3 weights on tensor cores
+  assert error <= limit, f"fp8 sharding: relative error {error:.2e}"
+  assert got.sharding.is_equivalent_to(qkv_sharding, 4), got.sharding
+  return f"relative error {error:.1e}"
+
+
 def check_explicit_sharding(config, interpret, mesh_shape):
   """Explicit sharding types (a shard_map per pass) with a normalized
   rownorm (whose row statistics the backward also reads), and a sharded
@@ -334,6 +365,8 @@ def main():
   for shape in mesh_shapes:
     checks.append((f"batch/head sharding {shape}",
                    lambda shape=shape: check_batch_head_sharding(config, interpret, shape)))
+  checks.append(("fp8 batch/head sharding",
+                 lambda: check_fp8_sharding(config, interpret, mesh_shapes[0])))
   checks.append(("explicit sharding",
                  lambda: check_explicit_sharding(config, interpret, mesh_shapes[0])))
   for name, case in context_parallel_cases(num):
