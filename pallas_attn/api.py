@@ -153,8 +153,7 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
 def fp8_tensor_core_obstacle(call, q, v, core) -> str | None:
   """Why the prepared call of an fp8 prefill cannot run on fp8 tensor cores
   (`fp8.tensor_core_obstacle`), or None."""
-  d_qk, d_v = (lowering_lib.padded_head_dim(x.shape[3], call.forward_lowering,
-                                            call.backward_lowering) for x in (q, v))
+  d_qk, d_v = call.padded_head_dims(q.shape[3], v.shape[3])
   return fp8.tensor_core_obstacle(q.dtype, call.analysis, call.config, call.forward_lowering,
                                   d_qk, d_v, parallel=core is _attention)
 
@@ -292,6 +291,11 @@ class _Call:
             self.bwd_config, self.scale, self.interpret, self.forward_lowering,
             self.backward_lowering)
 
+  def padded_head_dims(self, d_qk: int, d_v: int) -> tuple[int, int]:
+    """The head dims as the kernels of both passes take them."""
+    return tuple(lowering_lib.padded_head_dim(d, self.forward_lowering, self.backward_lowering)
+                 for d in (d_qk, d_v))
+
   def __eq__(self, other):
     return isinstance(other, _Call) and self.key == other.key
 
@@ -317,9 +321,7 @@ def _attention(q, k, v, consts, block_masks, sinks, recorded=None, descales=None
   cfg, bwd_cfg = call.config, call.bwd_config
   seq_q_pad = round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
   seq_kv_pad = round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
-  d_qk_pad, d_v_pad = (lowering_lib.padded_head_dim(d, call.forward_lowering,
-                                                     call.backward_lowering)
-                       for d in (d_qk, d_v))
+  d_qk_pad, d_v_pad = call.padded_head_dims(d_qk, d_v)
   qp = _pad_to(_pad_to(q, 1, seq_q_pad), 3, d_qk_pad)
   kp = _pad_to(_pad_to(k, 1, seq_kv_pad), 3, d_qk_pad)
   vp = _pad_to(_pad_to(v, 1, seq_kv_pad), 3, d_v_pad)
