@@ -112,8 +112,7 @@ def fp8_accuracy(c: bench.Case) -> dict:
   inputs = bench.make_inputs(c)
   kwargs = inputs.built.kwargs(inputs.built.params)
   part = lambda x: x[:1, :, :2]
-  err = lambda x, ref: float(np.linalg.norm(np.asarray(x, np.float32) - ref)
-                             / np.linalg.norm(ref))
+  err = lambda x, ref: harness.rel_err([np.asarray(x, np.float32)], [ref])
   found = {}
   for label, boost in (("", 1.0), ("_outliers", 20.0)):
     q, k, v = (part(x) for x in (inputs.q, inputs.k, inputs.v))

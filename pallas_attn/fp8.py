@@ -88,14 +88,20 @@ def _per_query_head(descale, batch: int, heads: int, kv_heads: int):
   return jnp.repeat(_inputs.per_head_descale(descale, batch, kv_heads), heads // kv_heads, axis=1)
 
 
+def _score_factor(q_descale, k_descale, batch: int, heads: int, kv_heads: int):
+  """`[B, Hq]`: what turns the fp8 product of q and k into the real scores,
+  q's descale times its kv head's k descale."""
+  return (_inputs.per_head_descale(q_descale, batch, heads)
+          * _per_query_head(k_descale, batch, heads, kv_heads))
+
+
 def kernel_descales(q_descale, k_descale, v_descale, batch: int, heads: int, kv_heads: int):
   """`[B, Hq, 2]` float32 for the fp8 kernel: per query head, its scores'
   factor (q's descale times its kv head's k descale) and its output's (v's).
   The kernel's softmax takes the scores' factor inside its exp2, valid for a
   positive factor: a negative one (a negative descale) is NaN here, so that
   the output says so instead of being silently wrong."""
-  score = (_inputs.per_head_descale(q_descale, batch, heads)
-           * _per_query_head(k_descale, batch, heads, kv_heads))
+  score = _score_factor(q_descale, k_descale, batch, heads, kv_heads)
   score = jnp.where(score >= 0, score, jnp.nan)
   return jnp.stack([score, _per_query_head(v_descale, batch, heads, kv_heads)], axis=-1)
 
@@ -108,8 +114,7 @@ def dequantized(q, k, v, q_descale, k_descale, v_descale):
   output (every rownorm weighs v linearly). Differentiating raises."""
   batch, _, heads, _ = q.shape
   kv_heads = k.shape[2]
-  q_factor = (_inputs.per_head_descale(q_descale, batch, heads)
-              * _per_query_head(k_descale, batch, heads, kv_heads))
+  q_factor = _score_factor(q_descale, k_descale, batch, heads, kv_heads)
   q, k, v = (_forward_only(x) for x in (q, k, v))
   q = (q.astype(jnp.float32) * q_factor[:, None, :, None]).astype(jnp.bfloat16)
   return (q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
