@@ -528,9 +528,10 @@ FP8_PREFILL_ROWS = [("vanilla B4 S4k", "vanilla_4k", 1.5), ("causal B4 S4k", "ca
 def fp8_prefill(folders) -> list[str]:
   """Issue 40's prefill table: e4m3 q, k, v against our bf16 forward and
   cuDNN's (kernel time ratios, bf16 time / fp8 time), with the errors of
-  `training.fp8_accuracy`."""
-  src = Source(folders, [(c, "pallas_attn_fp8", "fwd", ("kernel",))
-                         for _, c, _ in FP8_PREFILL_ROWS])
+  `training.fp8_accuracy`; the newest run of any folder."""
+  src = newest_cells(folders, [(c, "pallas_attn_fp8", "fwd", ("kernel",))
+                               for _, c, _ in FP8_PREFILL_ROWS])
+  src.files = [d for d in src.files if os.path.basename(d["path"]).startswith("training_fp8")]
   rows, short = [], []
   for label, c, target in FP8_PREFILL_ROWS:
     fp8 = src.row(c, "pallas_attn_fp8", "fwd")
