@@ -572,6 +572,8 @@ def _multi_gpu_docs() -> tuple[list, dict | None]:
       before = before or doc
     else:
       docs.append(doc)
+  # Newest folder first, and within a folder the newest run.
+  docs.sort(key=lambda d: (os.path.dirname(d["path"]), d.get("time", d["date"])), reverse=True)
   return docs, before
 
 
