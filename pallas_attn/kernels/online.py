@@ -134,14 +134,15 @@ class OnlineRowNorm:
     """Rows of `row_statistics`: each stat, then each max stat's argmax."""
     return len(self.rownorm.stats) + len(self._max_stats())
 
-  def _pv(self, p, v):
-    return backend.dot(p.astype(v.dtype), v, fp32_exact=self.fp32_exact)
+  def _pv(self, p, v, v_transposed=False):
+    return backend.dot(p.astype(v.dtype), v, trans_b=v_transposed, fp32_exact=self.fp32_exact)
 
-  def update(self, state, s, keep, v, *, kv_idx=None, log2_logits=None):
+  def update(self, state, s, keep, v, *, kv_idx=None, log2_logits=None, v_transposed=False):
     """Folds one tile in. `log2_logits`, if given, replaces `weights(s)`;
-    `kv_idx` (the tile's key positions) is needed by max statistics."""
+    `kv_idx` (the tile's key positions) is needed by max statistics;
+    `v_transposed`: v is given as `[Dv, keys]`."""
     w, acc_factor, state = self.weigh(state, s, keep, kv_idx=kv_idx, log2_logits=log2_logits)
-    return (self.rescale(state[0], acc_factor) + self._pv(w, v),) + state[1:]
+    return (self.rescale(state[0], acc_factor) + self._pv(w, v, v_transposed),) + state[1:]
 
   def rescale(self, acc, acc_factor):
     """The accumulator times `weigh`'s per-row factor (None: unchanged)."""
