@@ -249,12 +249,14 @@ def _newest_first(src: Source) -> Source:
   return src
 
 
-def newest_cells(folders, required: list) -> Source:
+def newest_cells(folders, required: list, prefix: str = "") -> Source:
   """A table's cells from the newest file of any folder that has them (a
   rerun of some rows on one GPU wins over a whole table run on a bigger
-  host), A/B experiments' files aside."""
+  host), among the files whose names start with `prefix`, A/B experiments'
+  files aside."""
   merged = Folder.__new__(Folder)
-  merged.files = [d for folder in folders for d in folder.files]
+  merged.files = [d for folder in folders for d in folder.files
+                  if os.path.basename(d["path"]).startswith(prefix)]
   return _newest_first(Source([merged], required))
 
 
@@ -262,8 +264,7 @@ def user_variants(folders) -> list[str]:
   """Issue 37's table: each cell from the newest run of the user suites
   (`training_user*` files, any folder) that has it."""
   src = newest_cells(folders, [(f"vanilla_{s}", "pallas_attn", m, ("kernel",))
-                               for s in USER_SEQS for m in MODES])
-  src.files = [d for d in src.files if os.path.basename(d["path"]).startswith("training_user")]
+                               for s in USER_SEQS for m in MODES], prefix="training_user")
   calls, cached = first_call_source(folders)
   slowest = {m: (0.0, "") for m in MODES}
   missing = {m: [] for m in MODES}
@@ -530,8 +531,7 @@ def fp8_prefill(folders) -> list[str]:
   cuDNN's (kernel time ratios, bf16 time / fp8 time), with the errors of
   `training.fp8_accuracy`; the newest run of any folder."""
   src = newest_cells(folders, [(c, "pallas_attn_fp8", "fwd", ("kernel",))
-                               for _, c, _ in FP8_PREFILL_ROWS])
-  src.files = [d for d in src.files if os.path.basename(d["path"]).startswith("training_fp8")]
+                               for _, c, _ in FP8_PREFILL_ROWS], prefix="training_fp8")
   rows, short = [], []
   for label, c, target in FP8_PREFILL_ROWS:
     fp8 = src.row(c, "pallas_attn_fp8", "fwd")
