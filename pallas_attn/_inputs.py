@@ -113,9 +113,9 @@ def check_fp8_prefill(q, k, v, q_descale, k_descale, v_descale):
 
 
 def descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cache"):
-  """`[B, Hkv, 2]` float32 (k's, v's descale per sequence and kv head) from
-  scalars or `[B, Hkv]` arrays (None: 1), for an fp8 cache; None for another
-  cache, which takes no descales."""
+  """(k's, v's) descales of an fp8 cache, float32 scalars (None: 1) or
+  `[B, Hkv]` as given (not broadcast: the split-KV kernel reads either
+  without an XLA pass); None for another cache, which takes no descales."""
   heads_kv = k.shape[2]
   if not is_fp8(k):
     if k_descale is not None or v_descale is not None:
@@ -127,8 +127,8 @@ def descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cache"):
     if x is not None and jnp.shape(x) not in ((), (batch, heads_kv)):
       raise ValueError(f"{name} must be a scalar or [B, Hkv] = [{batch}, {heads_kv}]; got "
                        f"shape {jnp.shape(x)}")
-    scales.append(per_head_descale(x, batch, heads_kv))
-  return jnp.stack(scales, axis=-1)
+    scales.append(jnp.ones((), jnp.float32) if x is None else jnp.asarray(x, jnp.float32))
+  return tuple(scales)
 
 
 def per_head_descale(descale, batch: int, heads: int):

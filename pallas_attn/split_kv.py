@@ -190,7 +190,7 @@ def _forward_only(q, k, v, lengths, page_table, consts, sinks, descales, *,
 def _forward(q, k, v, lengths, page_table, consts, sinks, descales=None, *,
              call: _DecodeCall):
   """(out `[B, Sq, Hq, Dv]`, row statistic `[B, Hq, Sq]`) of the split-KV
-  template; `descales` `[B, Hkv, 2]` for an fp8 cache."""
+  template; `descales` (`_inputs.descales`) for an fp8 cache."""
   batch, seq_q, heads, d_qk = q.shape
   heads_kv, d_v = k.shape[2], v.shape[3]
   group = heads // heads_kv
@@ -214,7 +214,9 @@ def _forward(q, k, v, lengths, page_table, consts, sinks, descales=None, *,
       queries_at_end=call.queries_at_end, page_size=call.page_size,
       has_ranges=ranges is not None, has_sink=sinks is not None, fp32_exact=fp32_exact,
       fast_math=not (fp32_exact or call.interpret), config=cfg,
-      descaled=descales is not None)
+      descaled=descales is not None,
+      v_pairs=v.dtype == jnp.float8_e4m3fn and d_v % 2 == 0,
+      pairs_asm=not call.interpret and backend.e4m3_pairs_supported())
   return decode_forward.forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks,
                                 descales, plan=plan, interpret=call.interpret)
 

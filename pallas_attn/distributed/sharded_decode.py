@@ -105,6 +105,15 @@ def _merge(kind: str, out, lse, sinks, axis_name):
   return out, lse
 
 
+def _stacked_descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cache"):
+  """`[B, Hkv, 2]` float32 (k's, v's descale), partitioned with the batch
+  and kv heads; None for a cache that is not fp8 (`_inputs.descales`)."""
+  descales = _inputs.descales(k_descale, v_descale, k, batch, k_name)
+  if descales is None:
+    return None
+  return jnp.stack([jnp.broadcast_to(x, (batch, k.shape[2])) for x in descales], axis=-1)
+
+
 def _decode_shard(shard: Shard, q, k, v, lengths, page_table, sinks, descales, *, score_mod,
                   mask_mod, shard_length: int, analysis: VariantAnalysis, options, return_lse):
   """One shard's decode (`shard`: its offsets, "kv" where it holds a run of
@@ -144,7 +153,7 @@ def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks,
   if sinks is not None:  # checked here; a rownorm's own sink stays in the rownorm
     sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = split_kv.consts_of(analysis)
-  descales = _inputs.descales(k_descale, v_descale, k, q.shape[0])
+  descales = _stacked_descales(k_descale, v_descale, k, q.shape[0])
   options = dict(rownorm=rownorm, scale=scale, config=config, interpret=interpret)
 
   def local(shard, q, k, v, lengths, consts, sinks, descales):
@@ -257,7 +266,7 @@ def sharded_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name
   sinks = _check_rownorm(analysis, sinks, q.shape[2])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
                  config=config, interpret=interpret)
-  descales = _inputs.descales(k_descale, v_descale, k_cache, q.shape[0])
+  descales = _stacked_descales(k_descale, v_descale, k_cache, q.shape[0])
   return _run(q, k_cache, v_cache, lengths, None, sinks, descales, mesh=mesh,
               axis_name=axis_name, batch_axis=batch_axis, shard_length=seq // num,
               analysis=analysis, options=options, return_lse=return_lse)
@@ -297,7 +306,7 @@ def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh
   sinks = _check_rownorm(analysis, sinks, q.shape[2])
   options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
                  config=config, interpret=interpret)
-  descales = _inputs.descales(k_descale, v_descale, k_pages, q.shape[0], "k_pages")
+  descales = _stacked_descales(k_descale, v_descale, k_pages, q.shape[0], "k_pages")
   return _run(q, k_pages, v_pages, lengths, page_table.astype(jnp.int32), sinks, descales,
               mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
               shard_length=shard_length, analysis=analysis, options=options,

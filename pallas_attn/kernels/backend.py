@@ -99,6 +99,46 @@ def _nvidia_gpu() -> bool:
   return not default_interpret() and device_config().vendor == "nvidia"
 
 
+def _e4m3_pair_asm(selector: str) -> str:
+  """PTX taking two uint16 elements (one 32-bit register: bytes 0-1 the
+  first's columns, 2-3 the second's), picking one byte of each (`selector`,
+  `prmt`'s) and converting the pair to float16 in one instruction."""
+  return ("{ .reg .b32 t; .reg .b16 lo, hi;\n"
+          f"prmt.b32 t, $1, 0, {selector};\n"
+          "mov.b32 {lo, hi}, t;\n"
+          "cvt.rn.f16x2.e4m3x2 $0, lo; }")
+
+
+def e4m3_pairs_supported() -> bool:
+  """Compiled on an NVIDIA GPU that converts e4m3 pairs (sm_89 and later)."""
+  if not _nvidia_gpu():
+    return False
+  capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+  return tuple(int(x) for x in capability.split(".")[:2]) >= (8, 9)
+
+
+def e4m3_pairs_to_float16(pairs, *, asm: bool):
+  """(even, odd) float16 tiles of a uint16 tile whose low bytes are e4m3
+  values of even columns and high bytes of odd ones (an e4m3 array viewed
+  as uint16 along its last axis).
+
+  An fp8 V tile whose keys the PV product wants adjacent is read by Triton
+  one byte per shared-memory load; as uint16 its 16-bit operand layout is
+  loaded by ldmatrix, and each pure unary conversion below follows that
+  layout. `asm` (`e4m3_pairs_supported`): one prmt and one cvt per two
+  values; else the same values by bit casts (interpret mode, other GPUs).
+  """
+  if asm:
+    return tuple(
+        pl_triton.elementwise_inline_asm(
+            _e4m3_pair_asm(selector), args=[pairs], constraints="=r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(pairs.shape, jnp.float16)])[0]
+        for selector in ("0x0020", "0x0031"))
+  as_float16 = lambda byte: lax.bitcast_convert_type(
+      byte.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16)
+  return as_float16(pairs & 0xFF), as_float16(pairs >> 8)
+
+
 @jax.custom_jvp
 def fast_tanh(x):
   """Hardware `tanh.approx.f32` (one instruction; relative error ~2^-11)."""

@@ -61,6 +61,13 @@ class DecodePlan(VariantPlan):
   has_ranges: bool           # live kv block ranges from mask_bounds.live_kv_blocks
   config: DecodeConfig       # complete (heuristic_decode_config)
   descaled: bool = False     # an fp8 cache: k's descale folds into the scores, v's the output
+  v_pairs: bool = False      # an e4m3 V read as uint16 column pairs (`pair_view`)
+  pairs_asm: bool = False    # their conversion in PTX (backend.e4m3_pairs_supported)
+
+  @property
+  def v_width(self) -> int:
+    """Columns of V as the kernel reads it (column pairs: half)."""
+    return self.d_v // 2 if self.v_pairs else self.d_v
 
   @property
   def rows(self) -> int:
@@ -90,7 +97,7 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
   q_ref, k_ref, v_ref = refs[:3]
   cap_refs = refs[3:3 + len(plan.operands)]
   refs = refs[3 + len(plan.operands):]
-  descale_ref = refs.pop(0) if plan.descaled else None
+  descale_refs = (refs.pop(0), refs.pop(0)) if plan.descaled else None
   sink_ref = refs.pop(0) if plan.has_sink and plan.finalizes else None
   out_ref, stats_ref = refs
   cfg, group = plan.config, plan.group
@@ -117,19 +124,19 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
   token, member = rows // group, rows % group
   h = kv_head * group + member
   q_idx = token + (kv_len - plan.seq_q if plan.queries_at_end else 0)
-  d_qk, d_v = (next_power_of_2(max(16, d)) for d in (plan.d_qk, plan.d_v))
-  qk_cols, v_cols = _columns(d_qk, plan.d_qk), _columns(d_v, plan.d_v)
+  d_qk, d_v = (next_power_of_2(max(16, d)) for d in (plan.d_qk, plan.v_width))
+  qk_cols, v_cols = _columns(d_qk, plan.d_qk), _columns(d_v, plan.v_width)
   q = q_ref[token, member, qk_cols]
   if d_qk != plan.d_qk:
     q = jnp.where(tiles.tile_indices(0, d_qk, axis=1) < plan.d_qk, q, 0)
   fold = plan.folds_log2
   qk_scale = plan.scale * LOG2E if fold else plan.scale
   v_scale = None
-  if descale_ref is not None:  # real K = K8 * k_descale: a factor of every score
+  if descale_refs is not None:  # real K = K8 * k_descale: a factor of every score
     q, q_factor = _float16_query(q)
-    qk_scale, v_scale = qk_scale * descale_ref[0] * q_factor, descale_ref[1]
+    qk_scale, v_scale = qk_scale * descale_refs[0][0] * q_factor, descale_refs[1][0]
 
-  slices = not plan.page_size and (d_qk, d_v) == (plan.d_qk, plan.d_v)
+  slices = not plan.page_size and (d_qk, d_v) == (plan.d_qk, plan.v_width)
 
   def key_index(kv_start, tail: bool):
     """The leading index of one block's keys in the K/V refs: a slice of a
@@ -152,13 +159,17 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
     kv_start = pl.multiple_of(kv_block * bk, bk)
     index = key_index(kv_start, tail)
     k, v = load(k_ref, index, qk_cols), load(v_ref, index, v_cols)
-    # An fp8 cache converts to float16 on load (its descales apply outside),
-    # V transposed in registers first and its product taking it as `[Dv,
-    # keys]`: Triton's loop then ran 2-3.5% faster (one H100, B8 8k, B8 32k
-    # and B1 128k; benchmarks/results/NOTES.md).
-    fp8 = k.dtype != q.dtype
-    if fp8:
-      k, v = k.astype(q.dtype), v.T.astype(q.dtype)
+    # An fp8 cache converts to float16 on load (its descales apply outside).
+    # An e4m3 V comes as column pairs, two products; else V is transposed in
+    # registers first and its product takes it as `[Dv, keys]`: Triton's
+    # loop then ran 2-3.5% faster (one H100; benchmarks/results/NOTES.md).
+    transposed = k.dtype != q.dtype and not plan.v_pairs
+    if k.dtype != q.dtype:
+      k = k.astype(q.dtype)
+    if plan.v_pairs:
+      v = backend.e4m3_pairs_to_float16(v, asm=plan.pairs_asm)
+    elif transposed:
+      v = v.T.astype(q.dtype)
     s = backend.dot(q, k, trans_b=True, fp32_exact=plan.fp32_exact) * qk_scale
     kv_idx = tiles.tile_indices(kv_start, bk, axis=1)
     s = tile.score(s, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
@@ -167,10 +178,10 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
       in_bounds = kv_idx < kv_len
       keep = in_bounds if keep is None else jnp.logical_and(keep, in_bounds)
     return online.update(state, s, keep, v, kv_idx=kv_idx, log2_logits=s if fold else None,
-                         v_transposed=fp8)
+                         v_transposed=transposed)
 
   sink2 = sink_ref[h] if sink_ref is not None else None
-  state = online.init(block_rows, d_v, sink2)
+  state = online.init(block_rows, (d_v, d_v) if plan.v_pairs else d_v, sink2)
   if plan.page_size or bk <= plan.max_length:  # else no block ends inside a sequence
     state = jax.lax.fori_loop(start, jnp.minimum(stop, num_inside),
                               lambda j, st: fold_block(j, st, False), state)
@@ -178,19 +189,28 @@ def _decode_kernel(lengths_ref, *refs, plan: DecodePlan):
                             lambda j, st: fold_block(j, st, True), state)
   # Real V = V8 * v_descale: the output is linear in V, partial or final.
   scaled = (lambda out: out) if v_scale is None else (lambda out: out * v_scale)
+
+  def store(index, out):
+    """Output columns; column pairs' even and odd groups interleave."""
+    if not plan.v_pairs:
+      out_ref[index + (v_cols,)] = scaled(out).astype(out_ref.dtype)
+      return
+    for parity, group in enumerate(out):
+      out_ref[index + (2 * v_cols + parity,)] = scaled(group).astype(out_ref.dtype)
+
   if plan.finalizes:
     out, stat = online.finalize(state)
-    out_ref[token, member, v_cols] = scaled(out).astype(out_ref.dtype)
+    store((token, member), out)
     stats_ref[member[:, 0], token[:, 0]] = stat[:, 0]
     return
-  out_ref[rows, v_cols] = scaled(state[0])
+  store((rows,), state[0])
   for n, value in enumerate(online.partial_statistics(state)):
     stats_ref[n, rows[:, 0]] = value[:, 0]
 
 
 def _input_specs(plan: DecodePlan, num_pages, max_pages, ranges_shape, capture_arrays):
   """BlockSpecs of the inputs, for the grid (split x row block, b, kv head)."""
-  d_qk, d_v, group, seq_q = plan.d_qk, plan.d_v, plan.group, plan.seq_q
+  d_qk, group, seq_q = plan.d_qk, plan.group, plan.seq_q
   specs = [pl.BlockSpec((None,), lambda i, b, h: (b,))]
   if ranges_shape is not None:
     per_head = ranges_shape[1] > 1
@@ -200,7 +220,7 @@ def _input_specs(plan: DecodePlan, num_pages, max_pages, ranges_shape, capture_a
     specs.append(pl.BlockSpec((None, max_pages), lambda i, b, h: (b, 0)))
   specs.append(pl.BlockSpec((None, seq_q, None, group, d_qk),
                             lambda i, b, h: (b, 0, h, 0, 0)))
-  for d in (d_qk, d_v):
+  for d in (d_qk, plan.v_width):
     if plan.page_size:
       specs.append(pl.BlockSpec((num_pages, plan.page_size, None, d),
                                 lambda i, b, h: (0, 0, h, 0)))
@@ -229,13 +249,19 @@ def _float16_query(q):
   return (q32 * jnp.exp2(-shift)).astype(jnp.float16), jnp.exp2(shift)
 
 
+def pair_view(v):
+  """An e4m3 array `[..., D]` (D even) as uint16 `[..., D // 2]`: the same
+  bytes, column 2i in element i's low byte, 2i + 1 in its high byte."""
+  return jax.lax.bitcast_convert_type(v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2), jnp.uint16)
+
+
 def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, descales=None, *,
             plan: DecodePlan, interpret: bool):
   """Runs the split-KV kernel and, with several splits, the combine step.
 
   q `[B, Sq, Hq, Dqk]`; k, v `[B, S_max, Hkv, D]` or, with `page_table`
   `[B, max_pages]`, `[num_pages, page_size, Hkv, D]` (in q's dtype, or an
-  fp8 cache with `descales` `[B, Hkv, 2]`: k's and v's); lengths `[B]`
+  fp8 cache with `descales`: k's and v's, `[B, Hkv]` or scalars); lengths `[B]`
   int32 keys per sequence; ranges `[B, Hm, 2]` live kv blocks or None;
   sinks `[Hq]` float32 natural-log sink logits or None. Returns (out
   `[B, Sq, Hq, Dv]` in q's dtype, row statistic `[B, Hq, Sq]` float32 as
@@ -252,10 +278,12 @@ def forward(q, k, v, lengths, ranges, page_table, capture_arrays, sinks, descale
     inputs.append(ranges)
   if plan.page_size:
     inputs.append(page_table.astype(jnp.int32))
-  inputs += [q5, k, v, *capture_arrays]
-  if plan.descaled:
-    inputs.append(descales.astype(jnp.float32))
-    in_specs.append(pl.BlockSpec((None, None, 2), lambda i, b, h: (b, h, 0)))
+  inputs += [q5, k, pair_view(v) if plan.v_pairs else v, *capture_arrays]
+  for descale in descales if plan.descaled else ():  # [B, Hkv] or a scalar, as [.., 1]
+    per_head = descale.ndim == 2
+    inputs.append(descale.reshape(*(descale.shape if per_head else (1, 1)), 1))
+    in_specs.append(pl.BlockSpec((None, None, 1), (lambda i, b, h: (b, h, 0)) if per_head
+                                 else (lambda i, b, h: (0, 0, 0))))
   sink2 = None if sinks is None else sinks.astype(jnp.float32) * LOG2E
   grid = (cfg.num_splits * plan.row_blocks, batch, heads_kv)
   blocks = plan.row_blocks

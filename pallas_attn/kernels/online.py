@@ -22,6 +22,7 @@ import dataclasses
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -112,10 +113,14 @@ class OnlineRowNorm:
       return x * (self.rownorm.logit_scale * LOG2E)
     return x
 
-  def init(self, rows: int, dv: int, sink2=None):
+  def init(self, rows: int, dv, sink2=None):
     """The empty row state. Softmax with a sink (a log2-domain logit) starts
-    as if one key of that logit and value 0 had been folded in."""
-    acc, full = self.rows.zeros_tile(rows, dv), self.rows.full
+    as if one key of that logit and value 0 had been folded in. `dv` a tuple
+    of widths: the accumulator is that tuple of column groups (`update`'s v
+    a tuple of as many tiles)."""
+    full = self.rows.full
+    acc = (tuple(self.rows.zeros_tile(rows, d) for d in dv) if isinstance(dv, tuple)
+           else self.rows.zeros_tile(rows, dv))
     if self.kind == "softmax":
       if sink2 is None:
         return (acc, full(rows, -jnp.inf), full(rows, 0.0))
@@ -135,6 +140,8 @@ class OnlineRowNorm:
     return len(self.rownorm.stats) + len(self._max_stats())
 
   def _pv(self, p, v, v_transposed=False):
+    if isinstance(v, tuple):
+      return tuple(self._pv(p, part, v_transposed) for part in v)
     return backend.dot(p.astype(v.dtype), v, trans_b=v_transposed, fp32_exact=self.fp32_exact)
 
   def update(self, state, s, keep, v, *, kv_idx=None, log2_logits=None, v_transposed=False):
@@ -142,11 +149,15 @@ class OnlineRowNorm:
     `kv_idx` (the tile's key positions) is needed by max statistics;
     `v_transposed`: v is given as `[Dv, keys]`."""
     w, acc_factor, state = self.weigh(state, s, keep, kv_idx=kv_idx, log2_logits=log2_logits)
-    return (self.rescale(state[0], acc_factor) + self._pv(w, v, v_transposed),) + state[1:]
+    acc = jax.tree.map(jnp.add, self.rescale(state[0], acc_factor), self._pv(w, v, v_transposed))
+    return (acc,) + state[1:]
 
   def rescale(self, acc, acc_factor):
-    """The accumulator times `weigh`'s per-row factor (None: unchanged)."""
-    return acc if acc_factor is None else acc * self.rows.expand(acc_factor, acc.shape)
+    """The accumulator (or its column groups) times `weigh`'s per-row factor
+    (None: unchanged)."""
+    if acc_factor is None:
+      return acc
+    return jax.tree.map(lambda a: a * self.rows.expand(acc_factor, a.shape), acc)
 
   def weigh(self, state, s, keep, *, kv_idx=None, log2_logits=None, logit_scale=1.0):
     """One tile's row-statistics update, short of the accumulator: returns
