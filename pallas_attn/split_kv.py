@@ -111,12 +111,13 @@ def check_pages(page_table, lengths, page_size: int, num_pages: int):
 
 
 def resolve_config(config, analysis: VariantAnalysis, q, k_shape, v_shape,
-                   cache_dtype=None) -> DecodeConfig:
+                   cache_dtype=None, paged: bool = False) -> DecodeConfig:
   """The complete split-KV config of a call: an explicit `DecodeConfig`
   with the schedule's fields where it leaves them None, else a tuned one
   from the cache, else the schedule's. k_shape / v_shape are the logical
   cache shapes `[B, S_max, Hkv, D]`; the schedule sizes the streamed tiles
-  by `cache_dtype` (default q's: an fp8 cache's differ)."""
+  by `cache_dtype` (default q's: an fp8 cache's differ) and splits a
+  `paged` cache differently."""
   if config not in (None, "auto") and not isinstance(config, DecodeConfig):
     raise TypeError(f"config must be a DecodeConfig, 'auto' or None; got {config!r}")
   if not isinstance(config, DecodeConfig):
@@ -124,7 +125,7 @@ def resolve_config(config, analysis: VariantAnalysis, q, k_shape, v_shape,
                                         q_shape=q.shape, k_shape=k_shape, v_shape=v_shape,
                                         dtype=q.dtype)
   shape = ProblemShape.from_shapes(q.shape, k_shape, v_shape, cache_dtype or q.dtype)
-  return _templates.DECODE.schedule(shape, device_config(), base=config)
+  return _templates.DECODE.schedule(shape, device_config(), base=config, paged=paged)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -157,7 +158,8 @@ def run_decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod,
   sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   heads_kv = k.shape[2]
   cfg = resolve_config(config, analysis, q, (q.shape[0], max_length, heads_kv, k.shape[3]),
-                       (q.shape[0], max_length, heads_kv, v.shape[3]), cache_dtype=k.dtype)
+                       (q.shape[0], max_length, heads_kv, v.shape[3]), cache_dtype=k.dtype,
+                       paged=page_table is not None)
   call = _DecodeCall(analysis, cfg, None if scale is None else float(scale),
                      backend.resolve_interpret(interpret), queries_at_end=True,
                      page_size=None if page_table is None else k.shape[1])

@@ -184,16 +184,22 @@ def test_window_splits_only_the_window():
 
 
 def test_schedule_fills_the_gpu():
-  """The fewest splits that make >= 2 waves of programs over the SMs and
-  fill >= 90% of the last one; one split where batch x kv heads do."""
+  """The fewest splits that make >= 1 wave of programs over the SMs (a
+  paged cache >= 2) and fill >= 90% of the last one; one split where batch
+  x kv heads do."""
   from pallas_attn.schedule.config import decode_splits, heuristic_decode_config
   one = heuristic_decode_config(1, 8, 4, 131072, 128, 128, sm_count=132,
                                 smem_per_block=227 * 1024)
-  assert (one.block_k, one.num_splits, one.block_rows, one.num_stages) == (128, 30, 16, 3)
+  # 15 splits of ceil(1024 / 15) = 69 blocks: 15 working, 120 programs, 91% of 132.
+  assert (one.block_k, one.num_splits, one.block_rows, one.num_stages) == (128, 15, 16, 3)
+  paged = heuristic_decode_config(1, 8, 4, 131072, 128, 128, sm_count=132,
+                                  smem_per_block=227 * 1024, paged=True)
   # 30 splits of ceil(1024 / 30) = 35 blocks: 30 working, 240 programs in 2 waves of 132.
-  assert decode_splits(8, 1024, 132) == 30
-  assert decode_splits(512, 32, 132) == 1
-  assert decode_splits(64, 256, 264) == 8
+  assert paged.num_splits == 30
+  assert decode_splits(8, 1024, 132, 2) == 30
+  assert decode_splits(512, 32, 132, 1) == 1
+  assert decode_splits(64, 256, 264, 2) == 8
+  assert decode_splits(64, 64, 132, 1) == 2
   assert heuristic_decode_config(1, 8, 4, 1024, 128, 128, sm_count=None).num_splits == 1
   wide = heuristic_decode_config(1, 8, 4, 4096, 256, 256, itemsize=4, sm_count=132)
   assert wide.block_k == 32  # 3 stages of K/V tiles within 192 KiB

@@ -349,14 +349,14 @@ class DecodeTemplate(TritonTemplate):
   config_class = DecodeConfig
 
   def schedule(self, shape: ProblemShape, device: DeviceConfig,
-               base: DecodeConfig | None = None) -> DecodeConfig:
-    """The config for a shape (`seq_kv`: the cache's length) on a device:
-    `base`'s fields where set, the schedule's (`heuristic_decode_config`)
-    elsewhere."""
+               base: DecodeConfig | None = None, paged: bool = False) -> DecodeConfig:
+    """The config for a shape (`seq_kv`: the cache's length; `paged`: in
+    pages) on a device: `base`'s fields where set, the schedule's
+    (`heuristic_decode_config`) elsewhere."""
     return heuristic_decode_config(
         shape.batch, shape.heads_kv, shape.seq_q * (shape.heads_q // shape.heads_kv),
         shape.seq_kv, shape.d_qk, shape.d_v, itemsize=shape.itemsize,
-        sm_count=device.sm_count, smem_per_block=device.smem_per_block, base=base)
+        sm_count=device.sm_count, smem_per_block=device.smem_per_block, base=base, paged=paged)
 
   def default_config(self, shape, device=None, *, block_sparse=False,
                      scores_per_position=False):

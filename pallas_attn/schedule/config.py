@@ -191,7 +191,13 @@ DECODE_STAGES = 3
 # slower, 256-key tiles too).
 FP8_DECODE_STAGES = 4
 DECODE_SMEM = 192 * 1024  # bytes of pipelined K/V tiles the default block_k stays within
-MIN_DECODE_WAVES = 2  # programs per slot (SM x programs an SM holds) at least
+# Waves of programs (per slot: SM x programs an SM holds) the split count
+# makes at least. A contiguous cache reads fastest in one wave: a second
+# drains and refills each SM's pipeline (H100, 2026-11-27, B8 8k / B8 32k /
+# B1 128k: bf16 and fp8 caches 2-8% faster than in two); a paged one in two
+# (in one, 2-27% slower).
+CONTIGUOUS_DECODE_WAVES = 1
+PAGED_DECODE_WAVES = 2
 DECODE_WAVE_FILL = 0.9  # the fraction of the last wave's slots the split count fills
 MIN_BLOCKS_PER_SPLIT = 4  # a split's fixed costs (q load, partial write) stay amortized
 
@@ -199,7 +205,7 @@ MIN_BLOCKS_PER_SPLIT = 4  # a split's fixed costs (q load, partial write) stay a
 def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d_qk: int,
                             d_v: int, *, itemsize: int = 2, sm_count: int | None = None,
                             smem_per_block: int | None = None,
-                            base: DecodeConfig | None = None) -> DecodeConfig:
+                            base: DecodeConfig | None = None, paged: bool = False) -> DecodeConfig:
   """The split-KV schedule: `base`'s fields where set, the rest from the shape.
 
   Decoding reads every cached key once and computes little on it, so the
@@ -209,8 +215,8 @@ def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d
   shared memory), and programs that keep every SM streaming to the end.
   Programs are batch x kv heads x row blocks x splits of the `seq_kv`-key
   cache; the split count (`decode_splits`) is the smallest that makes at
-  least `MIN_DECODE_WAVES` waves over the device's program slots and fills
-  `DECODE_WAVE_FILL` of the last one (sm_count from schedule/device.py;
+  least `CONTIGUOUS_DECODE_WAVES` (`paged`: `PAGED_DECODE_WAVES`) waves over
+  the device's program slots and fills `DECODE_WAVE_FILL` of the last one (sm_count from schedule/device.py;
   None, e.g. interpret mode, takes one split). `rows` is the query heads
   per kv head times the query tokens; head dims count as padded to powers
   of two.
@@ -231,16 +237,17 @@ def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d
     smem = (stages * block_k * (d_qk + d_v) + block_rows * d_qk) * itemsize
     per_sm = max(1, (smem_per_block or smem) // smem)
     num_splits = decode_splits(batch * heads_kv * -(-rows // block_rows),
-                               -(-seq_kv // block_k), (sm_count or 0) * per_sm)
+                               -(-seq_kv // block_k), (sm_count or 0) * per_sm,
+                               PAGED_DECODE_WAVES if paged else CONTIGUOUS_DECODE_WAVES)
   return dataclasses.replace(base, block_k=block_k, num_splits=num_splits,
                              block_rows=block_rows, num_stages=stages)
 
 
-def decode_splits(programs: int, key_blocks: int, slots: int) -> int:
+def decode_splits(programs: int, key_blocks: int, slots: int, min_waves: int) -> int:
   """The splits of `key_blocks` key blocks for `programs` programs per
-  split on `slots` program slots (0: one split). A split takes
-  `ceil(key_blocks / splits)` blocks, so only `ceil(key_blocks / that)`
-  splits have work; waves count those programs."""
+  split on `slots` program slots (0: one split), in `min_waves` waves at
+  least. A split takes `ceil(key_blocks / splits)` blocks, so only
+  `ceil(key_blocks / that)` splits have work; waves count those programs."""
   most = max(1, key_blocks // MIN_BLOCKS_PER_SPLIT)
   best, best_fill = 1, 0.0
   for splits in range(1, most + 1) if slots else ():
@@ -248,9 +255,9 @@ def decode_splits(programs: int, key_blocks: int, slots: int) -> int:
     working = programs * -(-key_blocks // per_split)
     waves = -(-working // slots)
     fill = working / (waves * slots)
-    if waves >= MIN_DECODE_WAVES and fill >= DECODE_WAVE_FILL:
+    if waves >= min_waves and fill >= DECODE_WAVE_FILL:
       return splits
-    if fill > best_fill + 1e-9 or waves < MIN_DECODE_WAVES:
+    if fill > best_fill + 1e-9 or waves < min_waves:
       best, best_fill = splits, fill
   return best
 
