@@ -196,6 +196,9 @@ def test_schedule_fills_the_gpu():
                                   smem_per_block=227 * 1024, paged=True)
   # 30 splits of ceil(1024 / 30) = 35 blocks: 30 working, 240 programs in 2 waves of 132.
   assert paged.num_splits == 30
+  fp8_paged = heuristic_decode_config(1, 8, 4, 131072, 128, 128, itemsize=1, sm_count=132,
+                                      smem_per_block=227 * 1024, paged=True)
+  assert fp8_paged.num_splits == 45  # 360 programs in 3 waves of 132, 91% of the last
   assert decode_splits(8, 1024, 132, 2) == 30
   assert decode_splits(512, 32, 132, 1) == 1
   assert decode_splits(64, 256, 264, 2) == 8

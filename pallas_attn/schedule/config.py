@@ -195,9 +195,11 @@ DECODE_SMEM = 192 * 1024  # bytes of pipelined K/V tiles the default block_k sta
 # makes at least. A contiguous cache reads fastest in one wave: a second
 # drains and refills each SM's pipeline (H100, 2026-11-27, B8 8k / B8 32k /
 # B1 128k: bf16 and fp8 caches 2-8% faster than in two); a paged one in two
-# (in one, 2-27% slower).
+# (in one, 2-27% slower), an fp8 paged one in three (1.7-2.2% faster than
+# two; a bf16 one up to 2% slower).
 CONTIGUOUS_DECODE_WAVES = 1
 PAGED_DECODE_WAVES = 2
+FP8_PAGED_DECODE_WAVES = 3
 DECODE_WAVE_FILL = 0.9  # the fraction of the last wave's slots the split count fills
 MIN_BLOCKS_PER_SPLIT = 4  # a split's fixed costs (q load, partial write) stay amortized
 
@@ -215,8 +217,9 @@ def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d
   shared memory), and programs that keep every SM streaming to the end.
   Programs are batch x kv heads x row blocks x splits of the `seq_kv`-key
   cache; the split count (`decode_splits`) is the smallest that makes at
-  least `CONTIGUOUS_DECODE_WAVES` (`paged`: `PAGED_DECODE_WAVES`) waves over
-  the device's program slots and fills `DECODE_WAVE_FILL` of the last one (sm_count from schedule/device.py;
+  least `CONTIGUOUS_DECODE_WAVES` (`paged`: `PAGED_DECODE_WAVES`, for fp8
+  `FP8_PAGED_DECODE_WAVES`) waves over the device's program slots and fills
+  `DECODE_WAVE_FILL` of the last one (sm_count from schedule/device.py;
   None, e.g. interpret mode, takes one split). `rows` is the query heads
   per kv head times the query tokens; head dims count as padded to powers
   of two.
@@ -236,9 +239,11 @@ def heuristic_decode_config(batch: int, heads_kv: int, rows: int, seq_kv: int, d
   if num_splits is None:
     smem = (stages * block_k * (d_qk + d_v) + block_rows * d_qk) * itemsize
     per_sm = max(1, (smem_per_block or smem) // smem)
+    waves = CONTIGUOUS_DECODE_WAVES
+    if paged:
+      waves = FP8_PAGED_DECODE_WAVES if itemsize == 1 else PAGED_DECODE_WAVES
     num_splits = decode_splits(batch * heads_kv * -(-rows // block_rows),
-                               -(-seq_kv // block_k), (sm_count or 0) * per_sm,
-                               PAGED_DECODE_WAVES if paged else CONTIGUOUS_DECODE_WAVES)
+                               -(-seq_kv // block_k), (sm_count or 0) * per_sm, waves)
   return dataclasses.replace(base, block_k=block_k, num_splits=num_splits,
                              block_rows=block_rows, num_stages=stages)
 
