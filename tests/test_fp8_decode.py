@@ -5,12 +5,15 @@ reference on the dequantized cache; `quantize_fp8`; the errors.
 
 Caches hold NaN (in fp8) past each sequence's length, as in test_decode.py.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import pallas_attn as pa
 from conftest import MODES, assert_close
+from pallas_attn.kernels import backend
 from pallas_attn import variants as V
 from test_decode import SPLITS, poisoned, reference, to_pages
 
@@ -82,6 +85,34 @@ def test_fp8_cache_with_odd_head_dims(interpret):
   assert out.shape == (3, 2, 4, 40)
   want = reference(q, dequantized(k8, k_descale), dequantized(v8, v_descale), LENGTHS)
   assert_close(out, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_e4m3_pairs_convert_every_value(interpret):
+  """The split-KV kernel's V conversion (`backend.e4m3_pairs_to_float16`:
+  PTX compiled on sm_89+, bit casts interpreted) against XLA's e4m3 ->
+  float16 on every uint16, so every pair of e4m3 values: zeros,
+  subnormals, the largest, NaN."""
+  pairs = jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16).reshape(256, 256)
+  asm = not interpret and backend.e4m3_pairs_supported()
+
+  def kernel(pairs_ref, even_ref, odd_ref):
+    even_ref[...], odd_ref[...] = backend.e4m3_pairs_to_float16(pairs_ref[...], asm=asm)
+
+  shape = jax.ShapeDtypeStruct(pairs.shape, jnp.float16)
+  with backend.triton_deprecation_ignored():
+    got = backend.pallas_call(kernel, out_shape=[shape, shape], grid=(1,),
+                              in_specs=[pl.BlockSpec(pairs.shape, lambda i: (0, 0))],
+                              out_specs=[pl.BlockSpec(pairs.shape, lambda i: (0, 0))] * 2,
+                              num_warps=4, num_stages=1, interpret=interpret,
+                              name="e4m3_pairs")(pairs)
+  values = jax.lax.bitcast_convert_type(pairs, E4M3)  # [..., 2]: low byte first
+  for column, out in enumerate(got):
+    want = np.asarray(values[..., column].astype(jnp.float16), np.float32)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_array_equal(np.where(np.isnan(want), 0, out),
+                                  np.where(np.isnan(want), 0, want))
 
 
 @pytest.mark.parametrize("interpret", MODES)
