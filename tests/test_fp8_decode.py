@@ -73,8 +73,8 @@ def test_fp8_cache_takes_queries_past_float16s_range(interpret):
 
 @pytest.mark.parametrize("interpret", MODES)
 def test_fp8_cache_with_odd_head_dims(interpret):
-  """Dqk 48 != Dv 40, both padded to 64 in the kernel (V's tile enters its
-  product transposed, its padding columns clamped to the last)."""
+  """Dqk 48 != Dv 40: K padded to 64 columns, V read as 20 column pairs
+  padded to 32 (padding clamped to the last column, read twice)."""
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.standard_normal((3, 2, 4, 48)), jnp.bfloat16)
   k, v = (jnp.asarray(rng.standard_normal((3, 50, 2, d)), jnp.float32) for d in (48, 40))
