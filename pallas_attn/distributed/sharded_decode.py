@@ -111,7 +111,7 @@ def _stacked_descales(k_descale, v_descale, k, batch: int, k_name: str = "k_cach
   descales = _inputs.descales(k_descale, v_descale, k, batch, k_name)
   if descales is None:
     return None
-  return jnp.stack([jnp.broadcast_to(x, (batch, k.shape[2])) for x in descales], axis=-1)
+  return jnp.stack([_inputs.per_head_descale(x, batch, k.shape[2]) for x in descales], axis=-1)
 
 
 def _decode_shard(shard: Shard, q, k, v, lengths, page_table, sinks, descales, *, score_mod,
