@@ -10,6 +10,7 @@ ones by a plain sum. The transfer of the next block is issued before the
 step's kernel and does not depend on it, so XLA's asynchronous collectives
 overlap the two; it is one buffer (`layout.pack`), since on GPUs a kernel
 queued behind several collectives waits for all but the last of them.
+The last step's block goes no further: a device sends N - 1 blocks.
 
 score_mod and mask_mod see global positions: each step wraps them so that
 `q_idx` and `kv_idx` are the positions of the local queries and of the
@@ -23,9 +24,10 @@ mask all removes (a causal mask's future blocks, a sliding window's blocks
 out of reach) run no kernel (`lax.cond` on the step's block mask).
 
 The backward is a second ring with the same steps: each device keeps dq
-(float32), and a dk/dv accumulator travels with each block of keys, in the
-keys' dtype (each device adds its part in float32), one step behind it so
-that its transfer also overlaps a kernel. Each step runs attention's
+(float32), and a block's dk/dv accumulator, in the keys' dtype (each device
+adds its part in float32), follows the block one step behind, so that its
+transfer also overlaps a kernel, from the device after the block's own back
+to it, which adds its part last (N - 1 transfers of each). Each step runs attention's
 backward kernels for (local queries, visiting keys) with the merged output
 and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
 no forward is recomputed and nothing per step is kept, so memory stays
@@ -194,28 +196,35 @@ def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
                  lambda: empty)
     return part if acc is None else _merge(kind, acc, part)
 
-  def body(step, carry):  # the last step's transfer is not needed, but keeps one loop body
+  def body(step, carry):
     message, acc = carry
     return _pass_on(ring, place, message), attend(step, layout_lib.unpack(message, own), acc)
 
-  # Step 0 (this device's own keys) runs before the loop, its transfer overlapping
-  # it: the loop then carries the received block (k, v and ids in one buffer, one
-  # transfer a step), not a copy of k and v, and starts from step 0's output.
+  # Step 0 attends this device's own keys while they go to the next device
+  # (k, v and ids in one buffer, one transfer a step); steps 1 .. N - 2
+  # attend the block received while passing it on; the last step's block goes
+  # no further: N - 1 transfers a device.
+  if place.num == 1:
+    return attend(0, own, None)
   received = _pass_on(ring, place, layout_lib.pack(own))
   out, lse = attend(0, own, None)
-  _, (out, lse) = lax.fori_loop(1, place.num, body, (received, (out.astype(jnp.float32), lse)))
+  acc = (out.astype(jnp.float32), lse)
+  if place.num > 2:
+    received, acc = lax.fori_loop(1, place.num - 1, body, (received, acc))
+  out, lse = attend(place.num - 1, layout_lib.unpack(received, own), acc)
   return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
 
 
 def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, lse, d_out,
               d_lse):
-  """(dq, dk, dv) over a second ring: dq stays; a dk/dv accumulator travels
-  with each block of keys, in the keys' dtype, one step behind it so that its
-  transfer also overlaps a kernel, and returns to its device. Everything in
-  the ring's layout."""
+  """(dq, dk, dv) over a second ring: dq stays; each block's dk/dv
+  accumulator, in the keys' dtype (each device adds its part in float32),
+  starts on the device the block visits after its own, follows it one step
+  behind (so that its transfer also overlaps a kernel) and returns to the
+  block's device, which adds its own part last. A device sends N - 1 blocks
+  and N - 1 accumulators, one buffer a step. Everything in the ring's layout."""
   d_out = d_out.astype(q.dtype)
   block_like = [x for x in (k, v, kv_ids) if x is not None]
-  like = block_like + [k, v]  # a message: the block, then the dk / dv accumulator
 
   def gradients(step, block):
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
@@ -233,27 +242,40 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
     return [(a.astype(jnp.float32) + g.astype(jnp.float32)).astype(x.dtype)
             for a, g, x in zip(acc, grads, (k, v))]
 
-  def visit(step, carry):
-    """Step `step`: the message received holds this step's block and the
-    accumulator of the previous step's block, to which that step's part
-    (`grads`) is added before it is passed on with this block."""
-    message, dq, grads = carry
-    *block, acc_k, acc_v = layout_lib.unpack(message, like)
-    received = _pass_on(ring, place, layout_lib.pack(block + added((acc_k, acc_v), grads)))
+  def visit(step, block, acc, dq, *, passes_block: bool):
+    """Step `step` >= 1 on the visiting `block`. Sends (one buffer) the block
+    on where a later step needs it (`passes_block`) and `acc`, the
+    accumulator of the block visited one step before (None at step 1: that
+    block is this device's own). Returns (the next step's block, this
+    block's accumulator with this step's part, dq)."""
+    sends = (list(block) if passes_block else []) + list(acc or [])
+    message = _pass_on(ring, place, layout_lib.pack(sends)) if sends else None
     g_q, g_k, g_v = gradients(step, block)
-    return received, dq + g_q.astype(jnp.float32), (g_k, g_v)
+    # What the previous device sent this step: the next block, and this block's accumulator.
+    received = layout_lib.unpack(message, sends) if sends else []
+    next_block = received[:len(block)] if passes_block else None
+    if acc is None:  # this block's accumulator starts here
+      acc = [g.astype(x.dtype) for g, x in ((g_k, k), (g_v, v))]
+    else:
+      acc = added(received[len(received) - 2:], (g_k, g_v))
+    return next_block, acc, dq + g_q.astype(jnp.float32)
 
-  # Step 0 (this device's own keys) runs before the loop; it sends its block
-  # with a zero accumulator (the block's accumulator starts on its own device).
-  zeros = [jnp.zeros(x.shape, x.dtype) for x in (k, v)]
-  received = _pass_on(ring, place, layout_lib.pack(block_like + zeros))
-  g_q, g_k, g_v = gradients(0, block_like)
-  last, dq, grads = lax.fori_loop(1, place.num, visit,
-                                  (received, g_q.astype(jnp.float32), (g_k, g_v)))
-  # The last step's block's accumulator is complete; it returns to its device.
-  *_, acc_k, acc_v = layout_lib.unpack(last, like)
-  final = added((acc_k, acc_v), grads)
-  dk, dv = layout_lib.unpack(_pass_on(ring, place, layout_lib.pack(final)), final)
+  num = place.num
+  received = _pass_on(ring, place, layout_lib.pack(block_like)) if num > 1 else None
+  g_q, own_k, own_v = gradients(0, block_like)  # this device's block: its part added last
+  if num == 1:
+    return g_q.astype(q.dtype), own_k.astype(k.dtype), own_v.astype(v.dtype)
+  block = layout_lib.unpack(received, block_like)
+  block, acc, dq = visit(1, block, None, g_q.astype(jnp.float32), passes_block=num > 2)
+  if num > 3:
+    block, acc, dq = lax.fori_loop(
+        2, num - 1, lambda step, carry: visit(step, *carry, passes_block=True),
+        (block, acc, dq))
+  if num > 2:
+    _, acc, dq = visit(num - 1, block, acc, dq, passes_block=False)
+  # The last block's accumulator lacks only its own device's part: it goes home.
+  home = layout_lib.unpack(_pass_on(ring, place, layout_lib.pack(acc)), acc)
+  dk, dv = added(home, (own_k, own_v))
   return dq.astype(q.dtype), dk, dv
 
 
