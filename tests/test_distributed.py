@@ -69,6 +69,23 @@ def test_zigzag_order_round_trip_and_chunks():
   np.testing.assert_array_equal(pa.distributed.natural_order(ordered, 3), x)
 
 
+@pytest.mark.parametrize("num", [2, 3, 4, 8])
+def test_zigzag_moves_in_two_rounds_of_sends(num):
+  """The zigzag moves and their inverse split into two rounds in which each
+  device sends one half and receives one, every half reaching its slot."""
+  from pallas_attn.distributed import layout
+  forward = layout._zigzag_sources(num)
+  for sources in (forward, {source: target for target, source in forward.items()}):
+    rounds = layout._send_rounds(sources)
+    reached = {}
+    for plan in rounds:
+      assert sorted(plan) == list(range(num))
+      assert sorted(target for _, target, _ in plan.values()) == list(range(num))
+      reached.update({(target, slot): (device, sent)
+                      for device, (sent, target, slot) in plan.items()})
+    assert reached == sources
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sequence_order="reversed"), "sequence_order must be one of"),
     (dict(sequence_order="zigzag", load_balance=False), "contradicts"),

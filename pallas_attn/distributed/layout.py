@@ -11,7 +11,9 @@ ring attention: Brandon et al. 2023; the layout of ring-flash-attention).
 
 `position_map` gives a device's global positions; `to_zigzag` /
 `from_zigzag` move contiguously sharded arrays into the zigzag layout and
-back inside `shard_map`, with at most four `ppermute`s of half a shard.
+back inside `shard_map`, in two rounds of sends (one `ppermute` of half a
+shard per round and dtype, both directions at once; none where a round keeps
+every half in place).
 `zigzag_order` / `natural_order` permute a whole (unsharded) sequence into
 the order whose contiguous shards are the zigzag layout, and back: a model
 that keeps its tokens in that order from the embedding to the loss runs
@@ -144,30 +146,81 @@ def unpack(message: jax.Array, like) -> list:
   return leaves
 
 
+def _send_rounds(sources: dict) -> list[dict]:
+  """`sources` ((device, slot) -> (device, slot) it takes its half from) as
+  two rounds in which every device sends one of its halves and receives
+  one: per round, device -> (slot it sends, device it sends to, slot the
+  receiver puts it in). Each device sends two halves and receives two, so
+  the moves form cycles alternating between senders and receivers, whose
+  edges alternate between the rounds (a 2-regular bipartite multigraph is
+  two perfect matchings)."""
+  edges = [(source, source_slot, device, slot)
+           for (device, slot), (source, source_slot) in sorted(sources.items())]
+  sent, received = collections.defaultdict(list), collections.defaultdict(list)
+  for i, (source, _, device, _) in enumerate(edges):
+    sent[source].append(i)
+    received[device].append(i)
+  round_of = {}
+  for first in range(len(edges)):
+    edge = first
+    while edge not in round_of:  # around one cycle
+      round_of[edge] = 0
+      partner = next(i for i in received[edges[edge][2]] if i != edge)
+      round_of[partner] = 1
+      edge = next(i for i in sent[edges[partner][0]] if i != partner)
+  rounds = [{}, {}]
+  for i, (source, source_slot, device, slot) in enumerate(edges):
+    rounds[round_of[i]][source] = (source_slot, device, slot)
+  return rounds
+
+
+def _per_device(values: list, axis_name):
+  """`values[i]` on device i of `axis_name`: a Python value where all agree."""
+  if len(set(values)) == 1:
+    return values[0]
+  return jnp.asarray(values)[jax.lax.axis_index(axis_name)]
+
+
 def _move_chunks(arrays, axis_name, sources: dict) -> list:
   """Each device's two halves of each (array, axis) of `arrays` replaced by
-  the halves `sources` names: per (source slot, target slot) pair, a
-  partial permutation of the devices, one `ppermute` of that half of every
-  array of one dtype (packed, so that gradients flow through)."""
-  routes = collections.defaultdict(list)
-  for (device, slot), (source, source_slot) in sources.items():
-    routes[(source_slot, slot)].append((source, device))
-  routes = sorted(routes.items())
-  halves = [jnp.split(x, 2, axis=axis) for x, axis in arrays]
+  the halves `sources` names, in two rounds (`_send_rounds`): per round
+  and dtype, one `ppermute` of one half of every array (packed, so that
+  gradients flow through), both directions at once; a round in which every
+  device keeps its half moves nothing."""
+  num = len(sources) // 2
   groups = collections.defaultdict(list)  # dtype -> indices of the arrays
   for i, (x, _) in enumerate(arrays):
     groups[jnp.dtype(x.dtype)].append(i)
-  sends, unpacks = [], []
-  for members in groups.values():
-    for (source_slot, slot), perm in routes:
-      sends.append((pack([halves[i][source_slot] for i in members]), perm))
-      unpacks.append((members, slot))
-  received = ordered_ppermutes(sends, axis_name)
-  out = [[jnp.zeros_like(parts[0]), jnp.zeros_like(parts[1])] for parts in halves]
-  for message, (members, slot) in zip(received, unpacks):
-    for i, part in zip(members, unpack(message, [halves[i][0] for i in members])):
-      out[i][slot] = out[i][slot] + part
-  return [jnp.concatenate(parts, axis=axis) for parts, (_, axis) in zip(out, arrays)]
+  sends, unpacks, slots = [], [], []
+  for plan in _send_rounds(sources):
+    perm = [(device, plan[device][1]) for device in range(num)]
+    sent_slot = _per_device([plan[device][0] for device in range(num)], axis_name)
+    receivers = {target: slot for _, target, slot in plan.values()}
+    slots.append(_per_device([receivers[device] for device in range(num)], axis_name))
+    for members in groups.values():
+      halves = []
+      for i in members:
+        x, axis = arrays[i]
+        half = x.shape[axis] // 2
+        halves.append(jax.lax.dynamic_slice_in_dim(x, sent_slot * half, half, axis))
+      sends.append((pack(halves), None if all(a == b for a, b in perm) else perm))
+      unpacks.append((members, halves))
+  moved = iter(ordered_ppermutes([s for s in sends if s[1] is not None], axis_name))
+  received = [next(moved) if perm is not None else message for message, perm in sends]
+  per_round = len(groups)
+  parts = [[None, None] for _ in arrays]
+  for n, (message, (members, halves)) in enumerate(zip(received, unpacks)):
+    for i, part in zip(members, unpack(message, halves)):
+      parts[i][n // per_round] = part
+  out = []
+  for (first, second), (_, axis) in zip(parts, arrays):
+    slot = slots[0]  # where round 0's half goes; round 1's takes the other slot
+    if isinstance(slot, int):
+      pair = (first, second) if slot == 0 else (second, first)
+    else:
+      pair = (jnp.where(slot == 0, first, second), jnp.where(slot == 0, second, first))
+    out.append(jnp.concatenate(pair, axis=axis))
+  return out
 
 
 def ordered_ppermutes(sends, axis_name) -> list:
