@@ -593,8 +593,12 @@ def _peak_gib(r) -> float:
 def multi_gpu(folders) -> list[str]:
   """Issues 41 and 42: the ring over 2 and 4 GPUs and sharded decoding against
   one GPU, each case from the newest `multi_gpu*.json` that has it, and the
-  newest `multi_gpu_before.json` (the code before)."""
+  newest `multi_gpu*_before.json` (the code before, its one-GPU times
+  from the same folder's run where it has none)."""
   docs, before = _multi_gpu_docs()
+  # The code before's one-GPU times: its own, else those its folder's run measured beside it.
+  same_run = before and [before] + [d for d in docs if os.path.dirname(d["path"])
+                                    == os.path.dirname(before["path"])]
   ring_rows, speedup, peaks = [], {}, {}
   for seq in ("64k", "128k", "256k"):
     ones = [_cell(docs, f"causal_{seq}", "pallas_attn", mode) for mode in MODES]
@@ -604,7 +608,8 @@ def multi_gpu(folders) -> list[str]:
     gib = [f"{_peak_gib(ones[-1]):.2f}"]  # forward+backward's
     for n in (2, 4):
       runs = [_cell(docs, f"causal_{seq}", f"ring_{n}gpu", mode) for mode in MODES]
-      olds = [before and _cell([before], f"causal_{seq}", impl, mode)
+      olds = [before and _cell(same_run if impl == "pallas_attn" else [before],
+                               f"causal_{seq}", impl, mode)
               for mode in MODES for impl in ("pallas_attn", f"ring_{n}gpu")]
       was = ""
       if all(r and r["time_ms"] for r in olds):
