@@ -27,9 +27,9 @@ The backward is a second ring with the same steps: each device keeps dq
 (float32), and a block's dk/dv accumulator, in the keys' dtype (each device
 adds its part in float32), follows the block one step behind, so that its
 transfer also overlaps a kernel, from the device after the block's own back
-to it, which adds its part last (N - 1 transfers of each). Each step runs attention's
-backward kernels for (local queries, visiting keys) with the merged output
-and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
+to it, which adds its part last (N - 1 transfers of each). Each step runs
+attention's backward kernels for (local queries, visiting keys) with the
+merged output and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
 no forward is recomputed and nothing per step is kept, so memory stays
 that of one device's shard (differentiating through the forward ring
 instead would save every step's keys, values and partial output).
