@@ -191,12 +191,11 @@ def _move_chunks(arrays, axis_name, sources: dict) -> list:
   groups = collections.defaultdict(list)  # dtype -> indices of the arrays
   for i, (x, _) in enumerate(arrays):
     groups[jnp.dtype(x.dtype)].append(i)
-  sends, unpacks, slots = [], [], []
-  for plan in _send_rounds(sources):
+  rounds = _send_rounds(sources)
+  sends, unpacks = [], []
+  for n, plan in enumerate(rounds):
     perm = [(device, plan[device][1]) for device in range(num)]
     sent_slot = _per_device([plan[device][0] for device in range(num)], axis_name)
-    receivers = {target: slot for _, target, slot in plan.values()}
-    slots.append(_per_device([receivers[device] for device in range(num)], axis_name))
     for members in groups.values():
       halves = []
       for i in members:
@@ -204,17 +203,18 @@ def _move_chunks(arrays, axis_name, sources: dict) -> list:
         half = x.shape[axis] // 2
         halves.append(jax.lax.dynamic_slice_in_dim(x, sent_slot * half, half, axis))
       sends.append((pack(halves), None if all(a == b for a, b in perm) else perm))
-      unpacks.append((members, halves))
+      unpacks.append((n, members, halves))
   moved = iter(ordered_ppermutes([s for s in sends if s[1] is not None], axis_name))
   received = [next(moved) if perm is not None else message for message, perm in sends]
-  per_round = len(groups)
-  parts = [[None, None] for _ in arrays]
-  for n, (message, (members, halves)) in enumerate(zip(received, unpacks)):
+  parts = [[None, None] for _ in arrays]  # per array, the halves of rounds 0 and 1
+  for message, (n, members, halves) in zip(received, unpacks):
     for i, part in zip(members, unpack(message, halves)):
-      parts[i][n // per_round] = part
+      parts[i][n] = part
+  # The slot of round 0's half on each device; round 1's half takes the other.
+  to_slot = {target: slot for _, target, slot in rounds[0].values()}
+  slot = _per_device([to_slot[device] for device in range(num)], axis_name)
   out = []
   for (first, second), (_, axis) in zip(parts, arrays):
-    slot = slots[0]  # where round 0's half goes; round 1's takes the other slot
     if isinstance(slot, int):
       pair = (first, second) if slot == 0 else (second, first)
     else:
