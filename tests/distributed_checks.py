@@ -213,7 +213,8 @@ def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kw
                            head_groups=None):
   """context_parallel_attention over a ring of `num` devices (with
   `split_batch`, num / 2 devices and the batch over 2) against the dense
-  reference: output and gradients of q, k, v (and sinks). `preordered`:
+  reference: output and gradients of q, k, v (and sinks), and no float
+  all-gather in the compiled forward and backward. `preordered`:
   the inputs and ids put in the zigzag order first (`zigzag_order`), the
   call told so (`sequence_order="zigzag"`), its output put back.
   `head_groups`: the ring's, one group's ring after another's."""
@@ -245,10 +246,13 @@ def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kw
     return pa.attention_reference(q, k, v, **with_sinks(reference_kwargs, sinks))
   args = (q, k, v) + ((sinks,) if sinks is not None else ())
   with _StepCounter() as counter:
-    got = output_and_grads(ours, args, len(args))
+    got, hlo = output_and_grads(ours, args, len(args), hlo=True)
     jax.block_until_ready(got)
     jax.effects_barrier()
   summary = compare(name, got, output_and_grads(reference, args, len(args)), dtype)
+  if not preordered:  # (zigzag_order itself regathers a sharded sequence axis)
+    gathered = float_collectives(hlo)  # the ring's forward and backward move blocks only
+    assert not gathered, f"{name}: float all-gathers / all-to-alls {gathered}"
   if expect_live is not None:  # forward and backward each visit num steps per device
     live = sum(counter.live)
     assert live == expect_live, f"{name}: {live} ring steps ran kernels, expected {expect_live}"
