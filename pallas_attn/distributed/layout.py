@@ -192,6 +192,7 @@ def _move_chunks(arrays, axis_name, sources: dict) -> list:
   for i, (x, _) in enumerate(arrays):
     groups[jnp.dtype(x.dtype)].append(i)
   rounds = _send_rounds(sources)
+  parts = [[None, None] for _ in arrays]  # per array, the halves of rounds 0 and 1
   sends, unpacks = [], []
   for n, plan in enumerate(rounds):
     perm = [(device, plan[device][1]) for device in range(num)]
@@ -202,12 +203,13 @@ def _move_chunks(arrays, axis_name, sources: dict) -> list:
         x, axis = arrays[i]
         half = x.shape[axis] // 2
         halves.append(jax.lax.dynamic_slice_in_dim(x, sent_slot * half, half, axis))
-      sends.append((pack(halves), None if all(a == b for a, b in perm) else perm))
-      unpacks.append((n, members, halves))
-  moved = iter(ordered_ppermutes([s for s in sends if s[1] is not None], axis_name))
-  received = [next(moved) if perm is not None else message for message, perm in sends]
-  parts = [[None, None] for _ in arrays]  # per array, the halves of rounds 0 and 1
-  for message, (n, members, halves) in zip(received, unpacks):
+      if all(a == b for a, b in perm):  # every device keeps this half
+        for i, part in zip(members, halves):
+          parts[i][n] = part
+      else:
+        sends.append((pack(halves), perm))
+        unpacks.append((n, members, halves))
+  for message, (n, members, halves) in zip(ordered_ppermutes(sends, axis_name), unpacks):
     for i, part in zip(members, unpack(message, halves)):
       parts[i][n] = part
   # The slot of round 0's half on each device; round 1's half takes the other.
