@@ -7,9 +7,10 @@ devices back, with `pallas_attn.attention` (one fused kernel, the row
 statistic returned), and folds the partial result into its rows: softmax
 rownorms by log-sum-exp (`out = sum_t exp(lse_t - lse) out_t`), elementwise
 ones by a plain sum. The transfer of the next block is issued before the
-step's kernel and does not depend on it, so XLA's asynchronous collectives
-overlap the two; it is one buffer (`layout.pack`), since on GPUs a kernel
-queued behind several collectives waits for all but the last of them.
+step's kernel and its result held until the kernel's (`_behind`), so that
+XLA's asynchronous collectives overlap the two; it is one buffer
+(`layout.pack`), since on GPUs a kernel queued behind several collectives
+waits for all but the last of them.
 The last step's block goes no further: a device sends N - 1 blocks.
 
 score_mod and mask_mod see global positions: each step wraps them so that
@@ -161,6 +162,17 @@ def _pass_on(ring: _Ring, place: _Place, message):
   return lax.ppermute(message, ring.axis_name, perm)
 
 
+def _behind(received, results):
+  """(`received`, `results`): a transfer's result held back until the step's
+  `results` exist (`optimization_barrier`). XLA finishes a collective right
+  before its first use; that use had been the unpacking of the next block,
+  which XLA ordered before the step's kernel, so the transfer had finished
+  before the kernel started and never overlapped it."""
+  if received is None:
+    return received, results
+  return lax.optimization_barrier((received, results))
+
+
 def _reweighted(out, lse, merged):
   """A softmax output `[B, Sq, Hq, Dv]` normalized by `lse` `[B, Hq, Sq]`,
   renormalized to the larger denominator `merged` (rows empty in both: 0)."""
@@ -198,7 +210,8 @@ def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
 
   def body(step, carry):
     message, acc = carry
-    return _pass_on(ring, place, message), attend(step, layout_lib.unpack(message, own), acc)
+    return _behind(_pass_on(ring, place, message),
+                   attend(step, layout_lib.unpack(message, own), acc))
 
   # Step 0 attends this device's own keys while they go to the next device
   # (k, v and ids in one buffer, one transfer a step); steps 1 .. N - 2
@@ -206,8 +219,8 @@ def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
   # no further: N - 1 transfers a device.
   if place.num == 1:
     return attend(0, own, None)
-  received = _pass_on(ring, place, layout_lib.pack(own))
-  out, lse = attend(0, own, None)
+  received, (out, lse) = _behind(_pass_on(ring, place, layout_lib.pack(own)),
+                                 attend(0, own, None))
   acc = (out.astype(jnp.float32), lse)
   if place.num > 2:
     received, acc = lax.fori_loop(1, place.num - 1, body, (received, acc))
@@ -250,7 +263,7 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
     block's accumulator with this step's part, dq)."""
     sends = (list(block) if passes_block else []) + list(acc or [])
     message = _pass_on(ring, place, layout_lib.pack(sends)) if sends else None
-    g_q, g_k, g_v = gradients(step, block)
+    message, (g_q, g_k, g_v) = _behind(message, gradients(step, block))
     # What the previous device sent this step: the next block, and this block's accumulator.
     received = layout_lib.unpack(message, sends) if sends else []
     next_block = received[:len(block)] if passes_block else None
@@ -262,7 +275,8 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
 
   num = place.num
   received = _pass_on(ring, place, layout_lib.pack(block_like)) if num > 1 else None
-  g_q, own_k, own_v = gradients(0, block_like)  # this device's block: its part added last
+  # This device's block: its part is added last.
+  received, (g_q, own_k, own_v) = _behind(received, gradients(0, block_like))
   if num == 1:
     return g_q.astype(q.dtype), own_k.astype(k.dtype), own_v.astype(v.dtype)
   block = layout_lib.unpack(received, block_like)
