@@ -88,3 +88,49 @@ def test_structural_rules(score_mod, expected):
   index = jnp.int32(0)
   jaxpr = jax.make_jaxpr(score_mod)(jnp.float32(0), index, index, index, index).jaxpr
   assert separable.is_separable(jaxpr, ("score", "b", "h", "q", "kv")) == expected
+
+
+AFFINE = {"alibi", "alibi_bottom_right", "sigmoid_alibi", "per_batch_offset", "score_last"}
+
+
+@pytest.mark.parametrize("name", list(SEPARABLE))
+def test_affine_columns_from_one_vector_and_a_number_per_tile(name):
+  """Which separable biases are affine in kv (`kv_part_is_affine`), and for
+  those the Mosaic forward's columns (mosaic_backend.affine_separable_columns):
+  E(q0, q0 + j) - E(q0, q0) once, plus E(q0, k0) - E(q0, q0) per tile, equal
+  E(q0, k0 + j) - E(q0, q0) on every tile."""
+  score_mod = SEPARABLE[name]
+  analysis = pa.analyze_variant(score_mod=score_mod)
+  assert analysis.affine_columns == (name in AFFINE)
+  if not analysis.affine_columns:
+    return
+  arrays, operands = tiles.capture_operands(analysis, 64, 64)
+
+  def loader(ref, operand, start, size):
+    return ref[tuple({"b": b, "h": h}.get(a, a) for a in operand.axes)]
+
+  tile = tiles.TileContext(analysis, operands, blocked="q", loader=loader)
+  at = lambda q, kv: tile.separable_part(b, h, jnp.int32(q), kv, arrays)
+  for b, h, q0 in ((0, 0, 0), (1, 3, 40), (1, 2, 1000)):
+    vector = at(q0, q0 + jnp.arange(16, dtype=jnp.int32)) - at(q0, jnp.int32(q0))
+    for k0 in (0, 16, 48, 2048):
+      shift = at(q0, jnp.int32(k0)) - at(q0, jnp.int32(q0))
+      direct = at(q0, k0 + jnp.arange(16, dtype=jnp.int32)) - at(q0, jnp.int32(q0))
+      np.testing.assert_allclose(vector + shift, direct, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("score_mod,expected", [
+    (lambda s, b, h, q, kv: s + 0.5 * kv.astype(jnp.float32) + 3.0, True),
+    (lambda s, b, h, q, kv: s - (2 * kv - q).astype(jnp.float32) * (1 / 7.0), True),
+    (lambda s, b, h, q, kv: s - (2 * kv - q).astype(jnp.float32) / 7.0, False),
+    (lambda s, b, h, q, kv: s + jnp.log1p(kv.astype(jnp.float32)), False),
+    (lambda s, b, h, q, kv: s + ((kv * 3) // 2).astype(jnp.float32), False),
+    (lambda s, b, h, q, kv: s + jnp.sqrt(q.astype(jnp.float32)) + kv.astype(jnp.float32), True),
+], ids=["scaled_plus_constant", "product", "float_division", "log", "integer_division",
+        "row_function"])
+def test_kv_affinity_rules(score_mod, expected):
+  index = jnp.int32(0)
+  jaxpr = jax.make_jaxpr(score_mod)(jnp.float32(0), index, index, index, index).jaxpr
+  names = ("score", "b", "h", "q", "kv")
+  assert separable.is_separable(jaxpr, names)
+  assert separable.kv_part_is_affine(jaxpr, names) == expected

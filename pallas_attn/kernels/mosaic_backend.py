@@ -145,6 +145,19 @@ def separable_columns(tile, b, h, refs, fixed_axis: str, start, other_start, col
   return _separable_at(tile, b, h, refs, fixed_axis, start, axis_positions(other_start, cols, 1))
 
 
+def affine_separable_columns(tile, b, h, refs, start, cols: int):
+  """For a separable bias affine in kv (spec/separable.py) on the rows from
+  `start`: (a `[cols]` vector in the column layout, E(start, start), a
+  function of a tile's first key k0). Their sum, vector + function(k0), is
+  `E(start, k0 + column) - E(start, start)`: the vector, E(start, start + j)
+  - E(start, start), once per program; the function, E(start, k0) -
+  E(start, start), one number per tile. Relative to the program's first
+  row, so that tiles near the diagonal add small numbers."""
+  at = functools.partial(_separable_at, tile, b, h, refs, "q", start)
+  origin = at(start)
+  return at(axis_positions(start, cols, 1)) - origin, origin, lambda k0: at(k0) - origin
+
+
 def with_separable_bias(tile, b, h, refs, fixed_axis: str, start, row_part, other_start,
                         cols: int):
   """`tile` with its `bias` set on the `[rows, cols]` tile whose columns are

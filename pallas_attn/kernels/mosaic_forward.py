@@ -156,6 +156,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     pv = _PVOperands(v_ref.dtype, v_smem, p_smem.at[wg] if fp8 else None)
     if separable:  # the bias's part along the rows, once (spec/separable.py)
       bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
+    affine = fold_bias and plan.analysis.affine_columns
+    if affine:  # and along the columns, once, plus a number per tile
+      columns0, origin, column_shift = mb.affine_separable_columns(
+          tile, b, h, cap_refs, q_start, bk)
+      columns0 = columns0 * LOG2E  # held as a vector (a tile would hold 64 registers)
+      bias_rows = bias_rows + origin
     sink2 = None if sink_ref is None else sink_ref[h]
     d_v = o_tile.shape[-1]
     row_state = tuple(online.init(rows, d_v, sink2)[1:])
@@ -173,6 +179,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
         w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
                                             logit_scale=qk_scale)
+      elif affine:  # as fold_bias, the columns from a vector made once and a number per tile
+        logits = s * qk_scale + lax.broadcast_in_dim(columns0, (rows, bk), (1,))
+        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits,
+                                            logit_shift=column_shift(kv_start) * LOG2E)
       elif fold_bias:  # one multiply-add per score, and the exp2's subtraction
         columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, bk)
         logits = s * qk_scale + lax.broadcast_in_dim(columns * LOG2E, (rows, bk), (1,))

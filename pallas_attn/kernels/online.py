@@ -159,23 +159,28 @@ class OnlineRowNorm:
       return acc
     return jax.tree.map(lambda a: a * self.rows.expand(acc_factor, a.shape), acc)
 
-  def weigh(self, state, s, keep, *, kv_idx=None, log2_logits=None, logit_scale=1.0):
+  def weigh(self, state, s, keep, *, kv_idx=None, log2_logits=None, logit_scale=1.0,
+            logit_shift=None):
     """One tile's row-statistics update, short of the accumulator: returns
     (weights tile w, per-row factor for the accumulator or None, the state
     with new statistics). The new accumulator is
     `rescale(acc, factor) + w @ v`. The log2-domain logits are
-    `log2_logits * logit_scale` (a positive scale, applied to the row max
-    and inside the exp2's argument: one multiply-add per score)."""
+    `log2_logits * logit_scale (+ logit_shift)`: a positive scale, applied
+    to the row max and inside the exp2's argument (one multiply-add per
+    score), and a number for the whole tile, applied to the row max and to
+    the row's subtrahend (no work per score)."""
     if self.kind == "softmax":
       acc, m, l = state
       t = self.weights(s) if log2_logits is None else log2_logits
       t = _keep(t, keep, -jnp.inf)
       unit = isinstance(logit_scale, (int, float)) and logit_scale == 1.0  # else maybe traced
       scaled = (lambda x: x) if unit else (lambda x: x * logit_scale)
-      m_new = jnp.maximum(m, scaled(self.rows.reduce(jnp.max, t)))
+      tile_max = scaled(self.rows.reduce(jnp.max, t))
+      m_new = jnp.maximum(m, tile_max if logit_shift is None else tile_max + logit_shift)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(scaled(t) - self.rows.expand(m_safe, t.shape))
+      subtrahend = m_safe if logit_shift is None else m_safe - logit_shift
+      p = jnp.exp2(scaled(t) - self.rows.expand(subtrahend, t.shape))
       l = l * alpha + self.rows.reduce(jnp.sum, p)
       return p, alpha, (acc, m_new, l)
     acc, stats, argmaxes = state

@@ -53,6 +53,11 @@ class VariantAnalysis:
     return self.score_mod is not None and self.score_mod.separable
 
   @property
+  def affine_columns(self) -> bool:
+    """A separable bias whose part along kv_idx is affine in it (spec/separable.py)."""
+    return self.separable_bias and self.score_mod.affine_kv
+
+  @property
   def scores_per_position(self) -> bool:
     """score_mod is evaluated at every position: present, and no bias that
     the kernels build from vectors (a template's heuristic may size tiles by it)."""
@@ -164,9 +169,13 @@ def analyze_variant(score_mod=None, mask_mod=None, rownorm="softmax") -> Variant
     score_prog = captures_lib.analyze_elementwise(
         traced, ("score", "b", "h", "q", "kv"), hoist=True)
     scalar_reads = all(not {"q", "kv", GATHERED} & set(use.axes) for use in score_prog.uses)
-    if (scalar_reads and not score_prog.terms and {"q", "kv"} & score_prog.deps
+    # A bias of one position only is left to the per-score path: Mosaic GPU found no
+    # layouts for a kv-only bias built from vectors (JAX 0.11.2, non-causal forward).
+    if (scalar_reads and not score_prog.terms and {"q", "kv"} <= score_prog.deps
         and separable.is_separable(traced.jaxpr, score_prog.inputs)):
-      score_prog = dataclasses.replace(score_prog, separable=True)
+      score_prog = dataclasses.replace(
+          score_prog, separable=True,
+          affine_kv=separable.kv_part_is_affine(traced.jaxpr, score_prog.inputs))
   if mask_mod is not None:
     traced = trace(mask_mod, [_INDEX, _INDEX, _INDEX, _INDEX],
                    name="mask_mod", allowed=_ELEMENTWISE_ALLOWED)

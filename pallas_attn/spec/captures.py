@@ -87,6 +87,7 @@ class ElementwiseProgram:
   (a differentiated array they read, sharded heads, decoding).
   separable: score_mod is `score + R(b, h, q_idx) + C(b, h, kv_idx)` reading
   captured arrays by b, h and constants only (spec/separable.py).
+  affine_kv: separable, with C affine in kv_idx (spec/separable.py).
   """
   traced: TracedFn
   inputs: tuple
@@ -97,6 +98,7 @@ class ElementwiseProgram:
   terms: tuple = ()
   unhoisted: ElementwiseProgram | None = None
   separable: bool = False
+  affine_kv: bool = False
 
   def without_terms(self) -> ElementwiseProgram:
     return self if self.unhoisted is None else self.unhoisted
