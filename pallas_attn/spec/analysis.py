@@ -96,8 +96,11 @@ class VariantAnalysis:
       lines.append(f"{label}: {len(prog.traced.jaxpr.eqns)} primitives, "
                    f"depends on {deps}{kind}")
       if label == "score_mod" and self.separable_bias:
+        columns = ("a column vector, made once per program in the forward (C is affine in "
+                   "kv_idx) and per tile in the backward" if self.affine_columns
+                   else "a column vector per tile")
         lines.append("  separable bias score + R(q_idx) + C(kv_idx): the Mosaic GPU kernels "
-                     "build it from a row vector and a column vector per tile")
+                     f"build it from a row vector and {columns}")
       lines += _custom_rules(prog.traced.jaxpr)
       for use in prog.uses:
         if use.is_term:
