@@ -96,31 +96,23 @@ def is_separable(jaxpr, inputs) -> bool:
   return read(out) == SCORE_PLUS
 
 
-_AFFINE_OPS = frozenset({"add", "sub"})
-
-
 def kv_part_is_affine(jaxpr, inputs) -> bool:
   """Whether a separable score_mod's jaxpr is affine in kv_idx: every value
   that depends on kv is kv added to, subtracted from, negated or multiplied
   by values that do not, or converted to float32 (exact for positions below
-  2^24)."""
+  2^24). Division is left out: these are the forms compiled and checked on
+  Hopper."""
   affine = {var: name == "kv" for var, name in zip(jaxpr.invars, inputs)}
   read = lambda v: False if is_literal(v) else affine.get(v, False)
   for eqn in jaxpr.eqns:
     tags = [read(v) for v in eqn.invars]
     prim = eqn.primitive.name
-    if not any(tags):
-      result = False
-    elif prim in _AFFINE_OPS or prim in _IDENTITIES or prim == "neg":
-      result = True
-    elif prim == "convert_element_type":
-      result = np.dtype(eqn.params["new_dtype"]) == np.float32
-    elif prim == "mul":
-      result = not all(tags)
-    else:  # division included: the forms above are those compiled and checked on Hopper
-      result = None
-    if result is None or (result is False and any(tags)):
+    if any(tags) and not (
+        prim in ("add", "sub", "neg") or prim in _IDENTITIES
+        or (prim == "convert_element_type"
+            and np.dtype(eqn.params["new_dtype"]) == np.float32)
+        or (prim == "mul" and not all(tags))):
       return False
     for v in eqn.outvars:
-      affine[v] = result
+      affine[v] = any(tags)
   return True
