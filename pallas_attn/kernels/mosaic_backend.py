@@ -155,7 +155,8 @@ def affine_separable_columns(tile, b, h, refs, start, cols: int):
   row, so that tiles near the diagonal add small numbers."""
   at = functools.partial(_separable_at, tile, b, h, refs, "q", start)
   origin = at(start)
-  return at(axis_positions(start, cols, 1)) - origin, origin, lambda k0: at(k0) - origin
+  vector = separable_columns(tile, b, h, refs, "q", start, start, cols) - origin
+  return vector, origin, lambda k0: at(k0) - origin
 
 
 def with_separable_bias(tile, b, h, refs, fixed_axis: str, start, row_part, other_start,

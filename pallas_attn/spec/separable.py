@@ -102,8 +102,8 @@ def kv_part_is_affine(jaxpr, inputs) -> bool:
   by values that do not, or converted to float32 (exact for positions below
   2^24). Division is left out: these are the forms compiled and checked on
   Hopper."""
-  affine = {var: name == "kv" for var, name in zip(jaxpr.invars, inputs)}
-  read = lambda v: False if is_literal(v) else affine.get(v, False)
+  on_kv = {var: name == "kv" for var, name in zip(jaxpr.invars, inputs)}  # affine so far
+  read = lambda v: False if is_literal(v) else on_kv.get(v, False)
   for eqn in jaxpr.eqns:
     tags = [read(v) for v in eqn.invars]
     prim = eqn.primitive.name
@@ -114,5 +114,5 @@ def kv_part_is_affine(jaxpr, inputs) -> bool:
         or (prim == "mul" and not all(tags))):
       return False
     for v in eqn.outvars:
-      affine[v] = any(tags)
+      on_kv[v] = any(tags)
   return True
