@@ -210,19 +210,20 @@ class _StepCounter:
 def check_context_parallel(config, interpret, num, name, *, kwargs, reference_kwargs=None,
                            dtype=jnp.float32, sinks=None, load_balance=None, segment_ids=None,
                            split_batch=False, expect_live=None, preordered=False,
-                           head_groups=None):
+                           head_groups=None, d_v=8):
   """context_parallel_attention over a ring of `num` devices (with
   `split_batch`, num / 2 devices and the batch over 2) against the dense
   reference: output and gradients of q, k, v (and sinks), and no float
   all-gather in the compiled forward and backward. `preordered`:
   the inputs and ids put in the zigzag order first (`zigzag_order`), the
   call told so (`sequence_order="zigzag"`), its output put back.
-  `head_groups`: the ring's, one group's ring after another's."""
+  `head_groups`: the ring's, one group's ring after another's. Dqk is 16,
+  Dv `d_v` (16: dq takes over the saved output's array)."""
   data = 2 if split_batch and num >= 4 else 1
   mesh = jax.make_mesh((data, num // data), ("data", "seq"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   seq = 8 * num
-  q, k, v = random_qkv(2, seq, 4, 2, 16, 8, dtype, seed=len(name))
+  q, k, v = random_qkv(2, seq, 4, 2, 16, d_v, dtype, seed=len(name))
   reference_kwargs = dict(kwargs if reference_kwargs is None else reference_kwargs)
 
   def with_sinks(kwargs, sinks):
@@ -338,9 +339,10 @@ def context_parallel_cases(num):
                                           expect_live=2 * (2 * num - 1))),
       ("ALiBi + causal + sinks, zigzag, bf16",
        dict(kwargs=alibi.kwargs(), sinks=jnp.linspace(-1.0, 2.0, 4), dtype=jnp.bfloat16)),
-      ("ALiBi + document ids + causal + sinks, two head groups (GQA)", dict(
+      ("ALiBi + document ids + causal + sinks, two head groups (GQA, Dqk = Dv)", dict(
           kwargs=alibi.kwargs(), segment_ids=ids, sinks=jnp.linspace(-1.0, 2.0, 4),
-          reference_kwargs=(variants.alibi(num_heads=4) + document).kwargs(), head_groups=2)),
+          reference_kwargs=(variants.alibi(num_heads=4) + document).kwargs(), head_groups=2,
+          d_v=16)),
       ("sigmoid, batch split too", dict(kwargs=dict(
           rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b),
           split_batch=True)),

@@ -41,7 +41,9 @@ travelling dk / dv, the float32 accumulators) hold a group's heads; a
 caller whose shards are in another layout (`context_parallel_attention`'s
 natural order) passes its moves (`Relayout`), done per group inside the
 forward and backward, so that no moved copy of a whole shard is kept for
-the backward either.
+the backward either. The backward writes dq into the saved output's array
+(the same shape and dtype where Dqk = Dv), which it no longer needs once a
+group has read its heads: the output's bytes are not held twice.
 """
 from __future__ import annotations
 
@@ -317,30 +319,36 @@ def _moved(ring: _Ring, direction: str, *arrays) -> list:
   return moved(ring.relayout and getattr(ring.relayout, direction), *arrays)
 
 
-def _over_head_groups(ring: _Ring, q, k, group_fn, results):
-  """`group_fn(place, head_slice, kv_head_slice)` for each head group, one
-  after another (a loop, so that one group's buffers are reused by the
+def _over_head_groups(ring: _Ring, q, k, group_fn, results, start=None):
+  """`group_fn(place, head_slice, kv_head_slice, acc)` for each head group,
+  one after another (a loop, so that one group's buffers are reused by the
   next), its results (arrays, with their head axis, shaped as `results`)
-  written into zero arrays shaped as `results`. A slice is a function that
-  takes an array and its head axis and returns that group's heads."""
+  written into `start`'s arrays (None: zeros shaped as `results`); `acc`
+  holds them as they are before the group's are written, so a group may read
+  its own heads of a start array whose buffer the results take over. A slice
+  is a function that takes an array and its head axis and returns that
+  group's heads."""
   groups = ring.head_groups
   group_heads, group_kv_heads = q.shape[2] // groups, k.shape[2] // groups
+  if start is None:
+    start = [None] * len(results)
+  start = [jnp.zeros(shape_dtype.shape, shape_dtype.dtype) if x is None else x
+           for x, (shape_dtype, _) in zip(start, results)]
 
-  def run(group):
+  def run(group, acc):
     def head_slice(heads):
       return lambda x, axis: (x if groups == 1 else
                               lax.dynamic_slice_in_dim(x, group * heads, heads, axis))
     place = _place(ring, q, group_heads, group)
-    return group_fn(place, head_slice(group_heads), head_slice(group_kv_heads))
+    return group_fn(place, head_slice(group_heads), head_slice(group_kv_heads), acc)
 
   if groups == 1:
-    return run(0)
+    return run(0, start)
 
   def body(group, acc):
     return [lax.dynamic_update_slice_in_dim(a, part, group * (a.shape[axis] // groups), axis)
-            for a, part, (_, axis) in zip(acc, run(group), results)]
-  zeros = [jnp.zeros(shape_dtype.shape, shape_dtype.dtype) for shape_dtype, _ in results]
-  return lax.fori_loop(0, groups, body, zeros)
+            for a, part, (_, axis) in zip(acc, run(group, acc), results)]
+  return lax.fori_loop(0, groups, body, start)
 
 
 def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
@@ -348,7 +356,7 @@ def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   v moved into the ring's layout, the ring, the results moved back."""
   q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
 
-  def group(place, heads, kv_heads):
+  def group(place, heads, kv_heads, _):
     moved = _moved(ring, "to_ring",
                    (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1))
     out, lse = _forward(ring, place, *moved, q_ids, kv_ids, consts)
@@ -363,14 +371,19 @@ def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
 def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
   """(dq, dk, dv) in the caller's layout: per head group, its inputs, output,
   statistics and cotangents moved into the ring's layout, the backward ring,
-  its gradients moved back."""
+  its gradients moved back. Where dq and the saved output agree in shape and
+  dtype, dq is written into the output's array, each group reading its heads
+  of the output before writing its dq there: the backward holds no second
+  array of that size (a quarter of a GPU's inputs, outputs and gradients)."""
   q, k, v, q_ids, kv_ids, consts, out, lse = residuals
   q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
+  out_becomes_dq = out.shape == q.shape and out.dtype == q.dtype
 
-  def group(place, heads, kv_heads):
+  def group(place, heads, kv_heads, acc):
+    saved_out = acc[0] if out_becomes_dq else out
     moved = _moved(ring, "to_ring",
                    (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1),
-                   (heads(out, 2), 1), (heads(d_out, 2), 1), (heads(lse, 1), 2),
+                   (heads(saved_out, 2), 1), (heads(d_out, 2), 1), (heads(lse, 1), 2),
                    (heads(d_lse, 1), 2))
     g_q, g_k, g_v, g_out, g_d_out, g_lse, g_d_lse = moved
     grads = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_out, g_lse,
@@ -378,7 +391,8 @@ def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
     return _moved(ring, "from_ring", *((g, 1) for g in grads))
 
   results = [(jax.ShapeDtypeStruct(x.shape, x.dtype), 2) for x in (q, k, v)]
-  return tuple(_over_head_groups(ring, q, k, group, results))
+  start = [out if out_becomes_dq else None, None, None]
+  return tuple(_over_head_groups(ring, q, k, group, results, start))
 
 
 def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
