@@ -563,18 +563,23 @@ def _multi_gpu_docs() -> tuple[list, dict | None]:
     raise LookupError("no multi_gpu results")
   paths.sort(key=os.path.basename)
   paths.sort(key=os.path.dirname, reverse=True)
-  docs, before = [], None
+  docs, befores = [], []
   for path in paths:
     with open(path) as f:
       doc = json.load(f)
     doc["path"] = os.path.relpath(path, RESULTS)
-    if path.endswith("_before.json"):
-      before = before or doc
-    else:
-      docs.append(doc)
+    (befores if path.endswith("_before.json") else docs).append(doc)
   # Newest folder first, and within a folder the newest run.
-  docs.sort(key=lambda d: (os.path.dirname(d["path"]), d.get("time", d["date"])), reverse=True)
-  return docs, before
+  newest_first = lambda d: (os.path.dirname(d["path"]), d.get("time", d["date"]))
+  docs.sort(key=newest_first, reverse=True)
+  befores.sort(key=newest_first, reverse=True)
+  return docs, (befores[0] if befores else None)
+
+
+def _row(doc, case, impl, mode) -> dict | None:
+  """The row of one run with a time, or None."""
+  return next((r for r in doc["rows"] if (r["case"], r["impl"], r["mode"]) == (case, impl, mode)
+               and r["time_ms"]), None)
 
 
 def _cell(docs, case, impl, mode) -> dict | None:
@@ -615,12 +620,15 @@ def multi_gpu(folders) -> list[str]:
       if all(r and r["time_ms"] for r in olds):
         was = " (before " + " / ".join(f"{olds[2 * i]['time_ms'] / olds[2 * i + 1]['time_ms']:.2f}x"
                                        for i in range(len(MODES))) + ")"
-      preordered = [_cell(docs, f"causal_{seq}", f"ring_preordered_{n}gpu", mode)
-                    for mode in MODES]
-      if all(r and r["time_ms"] for r in preordered):  # inputs already in the zigzag order
+      # Inputs already in the zigzag order, against the one GPU of the same run.
+      ordered_run = next((d for d in docs if all(
+          _row(d, f"causal_{seq}", impl, mode) for mode in MODES
+          for impl in ("pallas_attn", f"ring_preordered_{n}gpu"))), None)
+      if ordered_run is not None:
+        ordered_run["used"] = True
         was = (" (inputs in zigzag order " + " / ".join(
-            f"{one['time_ms'] / r['time_ms']:.2f}x" for one, r in zip(ones, preordered))
-               + ")" + was)
+            f"{_row(ordered_run, f'causal_{seq}', 'pallas_attn', m)['time_ms'] / _row(ordered_run, f'causal_{seq}', f'ring_preordered_{n}gpu', m)['time_ms']:.2f}x"
+            for m in MODES) + ")" + was)
       if all(r and r["time_ms"] for r in runs):
         for mode, one, r in zip(MODES, ones, runs):
           speedup[seq, mode, n] = one["time_ms"] / r["time_ms"]
