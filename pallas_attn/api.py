@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from pallas_attn import _inputs, _templates, fp8
 from pallas_attn import split_kv as split_kv_lib
-from pallas_attn.distributed import partitioning
 from pallas_attn.kernels import backend
 from pallas_attn.kernels import block_mask as block_mask_lib
 from pallas_attn.kernels import block_mask_cache
@@ -168,10 +167,6 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   it. The ring steps of pallas_attn.distributed call it too."""
   _inputs.check_attention_inputs(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  if partitioning.may_shard():
-    # A shard's kernels number heads from 0 (distributed/offsets.py); the
-    # diagonal terms' vectors would need the global head: computed per tile.
-    analysis = analysis.without_terms()
   interpret = backend.resolve_interpret(interpret)
   lowering = lowering_lib.choose(implementation, analysis, q.dtype, q.shape[3], v.shape[3],
                                  interpret, config, bwd_config)

@@ -128,6 +128,40 @@ def check_batch_head_sharding(config, interpret, mesh_shape):
   return summary
 
 
+def check_sharded_terms(config, interpret, mesh_shape):
+  """Hoisted diagonal terms (a relative-position table, also times a
+  function of h) on q/k/v sharded over batch and heads: the call keeps them
+  hoisted (one vector per head, evaluated on each shard at its global heads),
+  and outputs and gradients, the table's included (through the program
+  without the terms), match one device's."""
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  batch, seq, heads, kv_heads = 2 * mesh_shape[0], 24, 2 * mesh_shape[1], mesh_shape[1]
+  q, k, v = random_qkv(batch, seq, heads, kv_heads, 16, 16, jnp.float32, seed=3)
+  table = jax.random.normal(jax.random.PRNGKey(5), (heads, 2 * seq - 1), jnp.float32)
+
+  def score_mod_of(table):
+    def score_mod(s, b, h, q_idx, kv_idx):  # h indexes the table and scales it
+      return s + table[h, q_idx - kv_idx + seq - 1] * (1.0 + 0.25 * h)
+    return score_mod
+  causal = variants.causal().mask_mod
+
+  def ours(q, k, v, table):
+    return pa.attention(q, k, v, score_mod=score_mod_of(table), mask_mod=causal, config=config,
+                        bwd_config=config, interpret=interpret)
+
+  def reference(q, k, v, table):
+    return pa.attention_reference(q, k, v, score_mod=score_mod_of(table), mask_mod=causal)
+
+  call = pa.api._prepare(q, k, v, score_mod=score_mod_of(table), mask_mod=causal,
+                         config=config, bwd_config=config, interpret=interpret)[0]
+  assert call.analysis.score_mod.terms, "the diagonal term was not hoisted on several devices"
+  qkv_sharding = NamedSharding(mesh, P("data", None, "model"))
+  args = [jax.device_put(x, qkv_sharding) for x in (q, k, v)] + [table]
+  got = output_and_grads(ours, args, 4)
+  return compare("sharded terms", got, output_and_grads(reference, args, 4), jnp.float32)
+
+
 def check_fp8_sharding(config, interpret, mesh_shape):
   """fp8 attention under jit on q, k, v and their descales sharded over batch
   and heads: the output the float32 reference gives on the dequantized
@@ -371,6 +405,8 @@ def main():
   for shape in mesh_shapes:
     checks.append((f"batch/head sharding {shape}",
                    lambda shape=shape: check_batch_head_sharding(config, interpret, shape)))
+  checks.append(("hoisted terms, batch/head sharding",
+                 lambda: check_sharded_terms(config, interpret, mesh_shapes[0])))
   checks.append(("fp8 batch/head sharding",
                  lambda: check_fp8_sharding(config, interpret, mesh_shapes[0])))
   checks.append(("explicit sharding",

@@ -29,9 +29,13 @@ _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 
 def uses_index_value(prog: ElementwiseProgram | None, name: str) -> bool:
   """Whether `prog` computes with index `name` ('b' or 'h') beyond reading
-  blocked captures with it (which the kernel does at the local index)."""
+  blocked captures with it (which the kernel does at the local index). A
+  hoisted diagonal term of the head counts: its vector, evaluated per call
+  on the shard (kernels/tiles.py), must see the global head."""
   if prog is None or name not in prog.inputs:
     return False
+  if name == "h" and any(term.per_head for term in prog.terms):
+    return True
   jaxpr = prog.traced.jaxpr
   index_var = jaxpr.invars[prog.inputs.index(name)]
   return any(index_var in jaxpr.eqns[n].invars for n in prog.kernel_equations())

@@ -84,7 +84,7 @@ class ElementwiseProgram:
   deps: which inputs the result depends on, through data or addressing.
   terms: the hoisted diagonal terms (spec/diagonal.py) that term uses read;
   unhoisted: the same program without them, where they cannot be hoisted
-  (a differentiated array they read, sharded heads, decoding).
+  (a differentiated array they read, decoding).
   separable: score_mod is `score + R(b, h, q_idx) + C(b, h, kv_idx)` reading
   captured arrays by b, h and constants only (spec/separable.py).
   affine_kv: separable, with C affine in kv_idx (spec/separable.py).

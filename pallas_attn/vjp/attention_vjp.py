@@ -194,13 +194,14 @@ def _core_bwd(spec, res: _Residuals, cotangents):
   d_out, d_stat = cotangents
   d_out = jnp.zeros_like(res.out) if _is_zero(d_out) else d_out
   d_stat = None if _is_zero(d_stat) else d_stat
+  if _differentiates_a_term(spec.analysis, res.differentiated):
+    # The gradient of an array a term reads flows through the kernel's reads;
+    # chosen before partitioning, so that a shard's reads of it are planned alike.
+    spec = dataclasses.replace(spec, analysis=spec.analysis.without_terms())
   return sharded_passes.backward(_backward, spec, res, d_out, d_stat)
 
 
 def _backward(spec, res: _Residuals, d_out, d_stat):
-  if _differentiates_a_term(spec.analysis, res.differentiated):
-    # The gradient of an array a term reads flows through the kernel's reads.
-    spec = dataclasses.replace(spec, analysis=spec.analysis.without_terms())
   analysis = spec.analysis
   score_uses = () if analysis.score_mod is None else analysis.score_mod.uses
   grad_kinds = tuple(parallel_backward.gradient_kind(use.axes)
