@@ -64,7 +64,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, score_mod=None, mask_mo
   if not partitioning.may_shard():
     return split_kv.run_decode(q, k_cache, v_cache, lengths, None, k_cache.shape[1],
                                **options)[0]
-  return sharded_decode.partitioned_decode(q, k_cache, v_cache, lengths, **options)
+  return split_kv.forward_only(
+      lambda q, k, v: sharded_decode.partitioned_decode(q, k, v, lengths, **options),
+      q, k_cache, v_cache)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, score_mod=None,

@@ -175,18 +175,25 @@ def consts_of(analysis: VariantAnalysis) -> tuple:
                for prog in (analysis.score_mod, analysis.mask_mod))
 
 
-@functools.partial(jax.jit, static_argnames="call")
-def _forward_only(q, k, v, lengths, page_table, consts, sinks, descales, *,
-                  call: _DecodeCall):
-  """`_forward` (output, row statistic), raising a clear error when differentiated."""
-  core = jax.custom_jvp(functools.partial(_forward, call=call))
+def forward_only(fn, *args):
+  """`fn(*args)`, raising a clear error when differentiated: decoding is
+  inference (a sharded cache's decode takes it too)."""
+  core = jax.custom_jvp(fn)
 
   def no_derivative(primals, tangents):
     raise TypeError("decode_attention and paged_attention are forward-only (inference); "
                     "for gradients use pallas_attn.attention on the cache sliced to the "
                     "sequence")
   core.defjvp(no_derivative)
-  return core(q, k, v, lengths, page_table, consts, sinks, descales)
+  return core(*args)
+
+
+@functools.partial(jax.jit, static_argnames="call")
+def _forward_only(q, k, v, lengths, page_table, consts, sinks, descales, *,
+                  call: _DecodeCall):
+  """`_forward` (output, row statistic), raising a clear error when differentiated."""
+  return forward_only(functools.partial(_forward, call=call), q, k, v, lengths, page_table,
+                      consts, sinks, descales)
 
 
 def _forward(q, k, v, lengths, page_table, consts, sinks, descales=None, *,

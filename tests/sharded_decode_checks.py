@@ -141,6 +141,23 @@ def check_decode_attention_sharded(num, interpret, *, axis_type, split, seed=5, 
           + check_collectives(compiled.as_text(), merge, num))
 
 
+def check_forward_only(num, interpret):
+  """Differentiating `decode_attention` on a sharded cache raises the same
+  clear error as on one device (not the partitioner's missing rule)."""
+  mesh = jax.make_mesh((num,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+  q, k, v = random_inputs(2, 1, SHARD * num, seed=7)
+  lengths = ragged_lengths(2, SHARD * num)
+  k_s, v_s = (jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (k, v))
+  loss = lambda q: pa.decode_attention(q, k_s, v_s, lengths, config=CONFIG,
+                                       interpret=interpret).sum()
+  try:
+    jax.grad(loss)(q)
+  except TypeError as error:
+    assert "forward-only" in str(error), error
+    return "TypeError: " + str(error)[:60]
+  raise AssertionError("differentiating decode_attention did not raise")
+
+
 def check_rownorm_sink(num, interpret):
   """A rownorm with its own sink (off-by-one softmax): on a batch-sharded
   cache as on one device; on a sequence-sharded one, the error that asks
@@ -255,6 +272,7 @@ def cases(num, interpret):
       ("Sq=4, ALiBi + causal documents, bf16", lambda: decode(
           seq_q=4, kwargs=alibi_documents.kwargs(), dtype=jnp.bfloat16, seed=3)),
       ("Sq=2, paged, causal", lambda: check_paged(num, interpret)),
+      ("differentiating a sharded decode raises", lambda: check_forward_only(num, interpret)),
   ]
   for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
     splits = ("sequence", "batch", "heads") if num >= 4 else ("sequence",)
