@@ -323,7 +323,8 @@ def check_context_parallel_eager(config, interpret, num):
 def check_ring_in_shard_map(config, interpret, num):
   """ring_attention inside a user's shard_map that also splits the heads:
   score_mod sees global heads and positions (ALiBi's slopes[h]), sinks
-  are given for all heads."""
+  are given for all heads; the same shard_map run eagerly raises a clear
+  error (wrap it in jit)."""
   heads_split = 2 if num % 2 == 0 and num > 2 else 1
   mesh = jax.make_mesh((heads_split, num // heads_split), ("model", "seq"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -344,8 +345,15 @@ def check_ring_in_shard_map(config, interpret, num):
 
   def reference(q, k, v, sinks):
     return pa.attention_reference(q, k, v, sinks=sinks, **variant.kwargs())
-  return compare("ring_attention in shard_map", output_and_grads(ours, (q, k, v, sinks), 4),
-                 output_and_grads(reference, (q, k, v, sinks), 4), jnp.float32)
+  summary = compare("ring_attention in shard_map", output_and_grads(ours, (q, k, v, sinks), 4),
+                    output_and_grads(reference, (q, k, v, sinks), 4), jnp.float32)
+  try:  # the shard_map run eagerly: a clear error (JAX runs the custom_vjp only when staged)
+    ours(q, k, v, sinks)
+  except ValueError as error:
+    assert "outside jit" in str(error), error
+  else:
+    raise AssertionError("an eager shard_map of ring_attention ran")
+  return summary
 
 
 def check_ring_memory(config, interpret, num):

@@ -415,7 +415,16 @@ def _ring(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
     return dq, dk, dv, None, None, jax.tree.map(lambda _: None, consts)
 
   core.defvjp(fwd, bwd, symbolic_zeros=True)
-  return core(q, k, v, q_ids, kv_ids, consts)
+  try:
+    return core(q, k, v, q_ids, kv_ids, consts)
+  except NotImplementedError as error:  # a shard_map run eagerly
+    if "symbolic_zeros" not in str(error):
+      raise
+    raise ValueError(
+        "ring_attention ran in a shard_map outside jit, where JAX cannot run its custom_vjp "
+        "(symbolic zeros, for the clear error on differentiated captured arrays): wrap the "
+        "shard_map'ed function in jax.jit (context_parallel_attention does so itself)"
+    ) from None
 
 
 GROUP_BLOCK_BYTES = 32 << 20
