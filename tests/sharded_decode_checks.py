@@ -158,6 +158,27 @@ def check_forward_only(num, interpret):
   raise AssertionError("differentiating decode_attention did not raise")
 
 
+def check_eager_calls(num, interpret):
+  """sharded_decode_attention called outside jit, twice with the variant
+  rebuilt: the second call compiles nothing (one program per variant,
+  shapes and options) and gives the same output, which matches the reference."""
+  from pallas_attn.distributed import one_program
+  mesh = jax.make_mesh((num,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+  q, k, v = random_inputs(2, 1, SHARD * num, seed=8)
+  lengths = ragged_lengths(2, SHARD * num)
+  call = lambda: pa.sharded_decode_attention(q, k, v, lengths, mesh=mesh, axis_name="seq",
+                                             config=CONFIG, interpret=interpret,
+                                             **variants.causal().kwargs())
+  out = call()
+  compiled = one_program._run._cache_size()
+  again = call()
+  assert one_program._run._cache_size() == compiled, "the second eager call compiled"
+  assert rel_err(again, out) == 0.0
+  error = rel_err(out, reference(q, k, v, lengths, **variants.causal().kwargs()))
+  assert error <= TOLERANCE[jnp.float32], f"relative error {error}"
+  return f"max relative error {error:.1e}"
+
+
 def check_rownorm_sink(num, interpret):
   """A rownorm with its own sink (off-by-one softmax): on a batch-sharded
   cache as on one device; on a sequence-sharded one, the error that asks
@@ -273,6 +294,7 @@ def cases(num, interpret):
           seq_q=4, kwargs=alibi_documents.kwargs(), dtype=jnp.bfloat16, seed=3)),
       ("Sq=2, paged, causal", lambda: check_paged(num, interpret)),
       ("differentiating a sharded decode raises", lambda: check_forward_only(num, interpret)),
+      ("sharded_decode_attention outside jit, twice", lambda: check_eager_calls(num, interpret)),
   ]
   for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
     splits = ("sequence", "batch", "heads") if num >= 4 else ("sequence",)

@@ -13,16 +13,14 @@ for the backward); inputs already in the zigzag order
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_attn.distributed import layout as layout_lib
 from pallas_attn.distributed import ring as ring_lib
+from pallas_attn.distributed.one_program import as_one_program
 from pallas_attn.kernels import backend
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
+from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.mask_bounds import keeps_nothing_between
 
 
@@ -67,16 +65,20 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   eagerly) it runs as one jitted program, compiled once per variant, shapes
   and options.
   """
-  return _as_one_program(q, k, v, mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
-                         head_axis=head_axis, segment_ids=segment_ids, load_balance=load_balance,
-                         sequence_order=sequence_order, return_lse=return_lse,
-                         **attention_kwargs)
+  arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids,
+                sinks=attention_kwargs.pop("sinks", None))
+  mods = {name: attention_kwargs.pop(name, default) for name, default in
+          (("score_mod", None), ("mask_mod", None), ("rownorm", "softmax"))}
+  return as_one_program(_context_parallel, arrays, mesh=mesh, seq_axis=seq_axis,
+                        batch_axis=batch_axis, head_axis=head_axis, load_balance=load_balance,
+                        sequence_order=sequence_order, return_lse=return_lse, **mods,
+                        **attention_kwargs)
 
 
 def _context_parallel(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
                       segment_ids=None, load_balance=None, sequence_order="natural",
                       return_lse=False, **attention_kwargs):
-  """`context_parallel_attention`'s program, traced inside `_one_program`."""
+  """`context_parallel_attention`'s program (traced inside `as_one_program`)."""
   num = mesh.shape[seq_axis]
   seq_q, seq_kv = q.shape[1], k.shape[1]
   for name, length in (("q", seq_q), ("k/v", seq_kv)):
@@ -138,49 +140,3 @@ def _resharded(x, mesh, spec):
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _ProgramCall:
-  """The static part of a call: the analyzed mods (compared by their
-  fingerprint, so that a variant rebuilt each call hits the cache) and the
-  other options."""
-  analysis: VariantAnalysis
-  options: tuple  # sorted (name, value) pairs, hashable
-
-  @functools.cached_property
-  def key(self) -> tuple:
-    return (self.analysis.fingerprint(), self.options)
-
-  def __eq__(self, other):
-    return isinstance(other, _ProgramCall) and self.key == other.key
-
-  def __hash__(self):
-    return hash(self.key)
-
-
-def _as_one_program(q, k, v, *, segment_ids, **options):
-  """The call as one jitted program, compiled once per variant, shapes and
-  options: JAX runs the ring's custom_vjp (symbolic zeros) inside a
-  shard_map only when staged, so eager calls and autodiff outside jit need
-  the jit, and a function re-traced on every eager call would compile every
-  time. Under an outer jit it is inlined. The mods' captured arrays, the
-  sinks and the ids are operands; the mods are rebuilt from the analysis."""
-  score_mod, mask_mod = options.pop("score_mod", None), options.pop("mask_mod", None)
-  sinks = options.pop("sinks", None)
-  analysis = analyze_variant(score_mod, mask_mod, options.get("rownorm", "softmax"))
-  consts = tuple(() if prog is None else tuple(prog.traced.consts)
-                 for prog in (analysis.score_mod, analysis.mask_mod))
-  call = _ProgramCall(analysis, tuple(sorted(options.items())))
-  try:
-    hash(call)
-  except TypeError:  # an unhashable option: this call's own program
-    return jax.jit(functools.partial(_one_program.__wrapped__, call=call))(
-        q, k, v, segment_ids, sinks, consts)
-  return _one_program(q, k, v, segment_ids, sinks, consts, call=call)
-
-
-@functools.partial(jax.jit, static_argnames="call")
-def _one_program(q, k, v, segment_ids, sinks, consts, *, call: _ProgramCall):
-  score_mod, mask_mod = as_mods(call.analysis, consts)
-  return _context_parallel(q, k, v, segment_ids=segment_ids, sinks=sinks, score_mod=score_mod,
-                           mask_mod=mask_mod, **dict(call.options))

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 from pallas_attn import _inputs, split_kv
 from pallas_attn.distributed import layout
 from pallas_attn.distributed.context_parallel import _resharded
+from pallas_attn.distributed.one_program import as_one_program
 from pallas_attn.distributed.partitioning import (BATCH, HEADS, KV_HEADS, KV_SEQUENCE, Dims,
                                                   Shard, partitioned)
 from pallas_attn.kernels import backend
@@ -214,6 +215,16 @@ def _run(q, k, v, lengths, page_table, sinks, descales, *, mesh, axis_name, batc
   return (result, None) if return_lse and not with_lse else result
 
 
+def _run_program(q, k, v, lengths, page_table, sinks, descales, *, score_mod, mask_mod,
+                 rownorm, scale, config, interpret, **run_options):
+  """`_run` as `as_one_program` calls it (the mods rebuilt from their analysis)."""
+  options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
+                 config=config, interpret=interpret)
+  return _run(q, k, v, lengths, page_table, sinks, descales,
+              analysis=analyze_variant(score_mod, mask_mod, rownorm), options=options,
+              **run_options)
+
+
 def _check_mesh(mesh, axis_name, batch_axis, batch: int, length: int, what: str) -> int:
   """The number of shards of the cache's sequence; raises for an uneven split."""
   for name in (axis_name,) + (() if batch_axis is None else (batch_axis,)):
@@ -262,14 +273,14 @@ def sharded_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name
   seq = k_cache.shape[1]
   num = _check_mesh(mesh, axis_name, batch_axis, q.shape[0], seq, "sequence length")
   lengths = split_kv.checked_lengths(kv_lengths, q.shape[1], seq)
-  analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  sinks = _check_rownorm(analysis, sinks, q.shape[2])
-  options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
-                 config=config, interpret=interpret)
+  sinks = _check_rownorm(analyze_variant(score_mod, mask_mod, rownorm), sinks, q.shape[2])
   descales = _stacked_descales(k_descale, v_descale, k_cache, q.shape[0])
-  return _run(q, k_cache, v_cache, lengths, None, sinks, descales, mesh=mesh,
-              axis_name=axis_name, batch_axis=batch_axis, shard_length=seq // num,
-              analysis=analysis, options=options, return_lse=return_lse)
+  return as_one_program(
+      _run_program, dict(q=q, k=k_cache, v=v_cache, lengths=lengths, page_table=None,
+                         sinks=sinks, descales=descales),
+      score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale, config=config,
+      interpret=interpret, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
+      shard_length=seq // num, return_lse=return_lse)
 
 
 def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh, axis_name,
@@ -302,12 +313,12 @@ def sharded_paged_attention(q, k_pages, v_pages, page_table, kv_lengths, *, mesh
   shard_length = page_table.shape[1] // num * page_size
   lengths = split_kv.checked_lengths(kv_lengths, q.shape[1], shard_length * num)
   split_kv.check_pages(page_table, lengths, page_size, k_pages.shape[0] // num)
-  analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  sinks = _check_rownorm(analysis, sinks, q.shape[2])
-  options = dict(score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
-                 config=config, interpret=interpret)
+  sinks = _check_rownorm(analyze_variant(score_mod, mask_mod, rownorm), sinks, q.shape[2])
   descales = _stacked_descales(k_descale, v_descale, k_pages, q.shape[0], "k_pages")
-  return _run(q, k_pages, v_pages, lengths, page_table.astype(jnp.int32), sinks, descales,
-              mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
-              shard_length=shard_length, analysis=analysis, options=options,
-              return_lse=return_lse)
+  return as_one_program(
+      _run_program, dict(q=q, k=k_pages, v=v_pages, lengths=lengths,
+                         page_table=page_table.astype(jnp.int32), sinks=sinks,
+                         descales=descales),
+      score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale, config=config,
+      interpret=interpret, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis,
+      shard_length=shard_length, return_lse=return_lse)
