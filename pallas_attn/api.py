@@ -18,7 +18,7 @@ from pallas_attn.kernels import mosaic_forward
 from pallas_attn.schedule import cache as tuning_cache
 from pallas_attn.schedule.config import AttentionConfig, round_up
 from pallas_attn.schedule.template import ProblemShape, Template
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, consts_of
 from pallas_attn.spec.trace import is_concrete
 from pallas_attn.vjp import attention_vjp
 
@@ -189,8 +189,7 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
     forward_template.check(cfg)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
   sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
-  consts = tuple(() if prog is None else tuple(prog.traced.consts)
-                 for prog in (analysis.score_mod, analysis.mask_mod))
+  consts = consts_of(analysis)
   call = _Call(analysis, cfg, bwd_cfg, None if scale is None else float(scale), interpret,
                lowering.forward, lowering.backward)
   core = (_attention if split_kv is None else

@@ -23,7 +23,7 @@ from pallas_attn.schedule.config import MAX_DECODE_QUERIES, DecodeConfig, prefer
 from pallas_attn.schedule.device import device_config
 from pallas_attn.schedule.search_space import format_config
 from pallas_attn.schedule.template import ProblemShape
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, consts_of
 from pallas_attn.spec.mask_bounds import live_kv_blocks
 from pallas_attn.spec.trace import is_concrete
 
@@ -168,11 +168,6 @@ def run_decode(q, k, v, lengths, page_table, max_length, *, score_mod, mask_mod,
                               "k_pages" if page_table is not None else "k_cache")
   with backend.triton_deprecation_ignored():
     return _forward_only(q, k, v, lengths, page_table, consts, sinks, descales, call=call)
-
-
-def consts_of(analysis: VariantAnalysis) -> tuple:
-  return tuple(() if prog is None else tuple(prog.traced.consts)
-               for prog in (analysis.score_mod, analysis.mask_mod))
 
 
 def forward_only(fn, *args):

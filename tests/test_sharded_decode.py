@@ -18,7 +18,7 @@ import pytest
 
 import pallas_attn as pa
 from pallas_attn import variants as V
-from pallas_attn.split_kv import consts_of
+from pallas_attn.spec.analysis import consts_of
 from pallas_attn.distributed.sharded_decode import _global_variant
 from pallas_attn.spec.analysis import analyze_variant
 from pallas_attn.spec.mask_bounds import live_kv_blocks

@@ -139,4 +139,3 @@ def _resharded(x, mesh, spec):
   if x is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-

@@ -17,7 +17,7 @@ from typing import Callable
 
 import jax
 
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods, consts_of
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -44,8 +44,7 @@ def as_one_program(fn, arrays: dict, *, score_mod, mask_mod, rownorm, **options)
   `arrays` (arrays, pytrees of them or None) are its operands, `options` and
   rownorm static (hashable; an unhashable one compiles this call alone)."""
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
-  consts = tuple(() if prog is None else tuple(prog.traced.consts)
-                 for prog in (analysis.score_mod, analysis.mask_mod))
+  consts = consts_of(analysis)
   program = _Program(fn, analysis, tuple(sorted(dict(options, rownorm=rownorm).items())))
   try:
     hash(program)

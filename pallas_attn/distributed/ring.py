@@ -57,7 +57,7 @@ from jax import lax
 
 from pallas_attn import _inputs, api
 from pallas_attn.distributed import layout as layout_lib
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods, consts_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,8 +535,7 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
                      f"of key/value heads on this device ({k.shape[2]})")
   ring = _Ring(axis_name, layout, analysis, options, batch_axis, head_axis, head_groups,
                relayout)
-  consts = tuple(() if prog is None else tuple(prog.traced.consts)
-                 for prog in (analysis.score_mod, analysis.mask_mod))
+  consts = consts_of(analysis)
   out, lse = _ring(ring, q, k, v, q_ids, kv_ids, consts)
   if sinks is not None:
     head_offset = None if head_axis is None else lax.axis_index(head_axis) * q.shape[2]

@@ -40,7 +40,7 @@ from pallas_attn.distributed.one_program import as_one_program
 from pallas_attn.distributed.partitioning import (BATCH, HEADS, KV_HEADS, KV_SEQUENCE, Dims,
                                                   Shard, partitioned)
 from pallas_attn.kernels import backend
-from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods
+from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods, consts_of
 
 
 def _check_rownorm(analysis: VariantAnalysis, sinks, heads: int):
@@ -153,7 +153,7 @@ def partitioned_decode(q, k, v, lengths, *, score_mod, mask_mod, rownorm, sinks,
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   if sinks is not None:  # checked here; a rownorm's own sink stays in the rownorm
     sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
-  consts = split_kv.consts_of(analysis)
+  consts = consts_of(analysis)
   descales = _stacked_descales(k_descale, v_descale, k, q.shape[0])
   options = dict(rownorm=rownorm, scale=scale, config=config, interpret=interpret)
 

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend
 from pallas_attn.schedule.config import next_power_of_2
 from pallas_attn.spec import blockeval, diagonal
-from pallas_attn.spec.analysis import VariantAnalysis
+from pallas_attn.spec.analysis import VariantAnalysis, consts_of
 from pallas_attn.spec.captures import GATHERED, position_free
 from pallas_attn.spec.diagonal import DIAGONAL
 
@@ -116,8 +116,7 @@ def capture_operands(analysis: VariantAnalysis, seq_q_pad: int, seq_kv_pad: int,
   mosaic_backend.diagonal_tile).
   """
   if consts is None:
-    consts = tuple(() if prog is None else prog.traced.consts
-                   for prog in (analysis.score_mod, analysis.mask_mod))
+    consts = consts_of(analysis)
   arrays, operands = [], []
   for prog, prog_consts in zip((analysis.score_mod, analysis.mask_mod), consts):
     if prog is None:

@@ -146,6 +146,13 @@ def _check_scalar_output(traced, dtype_kind: str, name: str):
                        + ("a boolean" if dtype_kind == "b" else "a float"))
 
 
+def consts_of(analysis: VariantAnalysis) -> tuple:
+  """(score_mod's, mask_mod's) captured arrays, () where a program is absent:
+  what `as_mods` takes back."""
+  return tuple(() if prog is None else tuple(prog.traced.consts)
+               for prog in (analysis.score_mod, analysis.mask_mod))
+
+
 def as_mods(analysis: VariantAnalysis, consts) -> tuple:
   """(score_mod, mask_mod) callables evaluating the analyzed programs on
   `consts` (score_mod's, mask_mod's captured arrays; None where a program is
