@@ -410,6 +410,13 @@ def context_parallel_cases(num):
           kwargs=alibi.kwargs(), segment_ids=ids, sinks=jnp.linspace(-1.0, 2.0, 4),
           reference_kwargs=(variants.alibi(num_heads=4) + document).kwargs(), head_groups=2,
           d_v=16)),
+      # Over a ring of two (the batch split too where there are four devices)
+      # the keys stay in place and only the query side moves.
+      ("document ids + causal, zigzag, batch split too", dict(
+          kwargs=causal.kwargs(), segment_ids=ids, reference_kwargs=document.kwargs(),
+          split_batch=True)),
+      ("ALiBi + causal, zigzag, two head groups, batch split too", dict(
+          kwargs=alibi.kwargs(), head_groups=2, d_v=16, split_batch=True)),
       ("sigmoid, batch split too", dict(kwargs=dict(
           rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b),
           split_batch=True)),

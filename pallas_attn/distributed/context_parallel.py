@@ -4,8 +4,8 @@
 over the mesh: the sequence axis is split over `seq_axis` (and batch and
 heads, optionally, over `batch_axis` and `head_axis`). With load balancing
 it moves each device's shard into the zigzag layout first (two chunks per
-device, so that every device has the same causal work) and the result
-back, with `ppermute`s of half a shard: around the ring where it runs in
+device, so that every device has the same causal work; over two devices
+the queries' alone, see `_context_parallel`) and the result back, with `ppermute`s of half a shard: around the ring where it runs in
 one head group, inside its forward and backward for one group at a time
 where it runs in several (so that no moved copy of a whole shard is kept
 for the backward); inputs already in the zigzag order
@@ -102,10 +102,19 @@ def _context_parallel(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=Non
   if return_lse:
     out_specs = (qkv_spec, PartitionSpec(batch_axis, head_axis, seq_axis))
 
-  moves = None
+  moves, kv_layout = None, None
   if layout == layout_lib.ZIGZAG and not preordered:
+    # Over two devices the keys need not move: with the queries in the zigzag
+    # layout each device's work against all keys is the same (chunks i and
+    # 3 - i of 4) whichever half of the keys it holds, and no block is passed
+    # on, so that no step waits for another device's longer one. Over more,
+    # contiguous keys would make a device's steps uneven and a forwarded
+    # block late (a model of the ring: 15% slower at 8 devices).
+    keys_stay = num == 2
     moves = ring_lib.Relayout(lambda arrays: layout_lib.to_zigzag(arrays, seq_axis, num),
-                              lambda arrays: layout_lib.from_zigzag(arrays, seq_axis, num))
+                              lambda arrays: layout_lib.from_zigzag(arrays, seq_axis, num),
+                              moves_keys=not keys_stay)
+    kv_layout = layout_lib.CONTIGUOUS if keys_stay else None
   head_groups = attention_kwargs.pop("head_groups", None)
 
   def local(q, k, v, q_ids, kv_ids):
@@ -114,13 +123,15 @@ def _context_parallel(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=Non
     # keeps the moved inputs rather than moving them again); several: inside it.
     outside = moves is not None and groups == 1
     if outside:
-      q, k, v, q_ids, kv_ids = ring_lib.moved(moves.to_ring, (q, 1), (k, 1), (v, 1),
-                                              (q_ids, 1), (kv_ids, 1))
+      keys = [(k, 1), (v, 1), (kv_ids, 1)] if moves.moves_keys else []
+      q, q_ids, *moved_keys = ring_lib.moved(moves.to_ring, (q, 1), (q_ids, 1), *keys)
+      if moved_keys:
+        k, v, kv_ids = moved_keys
     result = ring_lib.ring_attention(
         q, k, v, axis_name=seq_axis, layout=layout,
         segment_ids=None if q_ids is None else (q_ids, kv_ids), return_lse=return_lse,
         batch_axis=batch_axis, head_axis=head_axis, head_groups=groups,
-        relayout=None if outside else moves, **attention_kwargs)
+        relayout=None if outside else moves, kv_layout=kv_layout, **attention_kwargs)
     if not outside:
       return result
     out, lse = result if return_lse else (result, None)

@@ -41,7 +41,8 @@ travelling dk / dv, the float32 accumulators) hold a group's heads; a
 caller whose shards are in another layout (`context_parallel_attention`'s
 natural order) passes its moves (`Relayout`), done per group inside the
 forward and backward, so that no moved copy of a whole shard is kept for
-the backward either. The backward writes dq into the saved output's array
+the backward either; where the keys may stay in the caller's layout
+(`kv_layout`, context_parallel's ring of two) only the query side moves. The backward writes dq into the saved output's array
 (the same shape and dtype where Dqk = Dv), which it no longer needs once a
 group has read its heads: the output's bytes are not held twice.
 """
@@ -65,9 +66,13 @@ class Relayout:
   """Moves of the caller's shards into the ring's layout and back: each takes
   and returns a list of (array, its sequence axis) pairs (context_parallel's
   zigzag moves). Done per head group inside the ring's forward and backward,
-  so that no moved copy of a whole shard is kept for the backward."""
+  so that no moved copy of a whole shard is kept for the backward.
+  `moves_keys` False: only the query side moves (queries, output, their
+  statistics, cotangents and dq); keys, values and their gradients stay in
+  the caller's layout, which the ring takes as its `kv_layout`."""
   to_ring: Callable
   from_ring: Callable
+  moves_keys: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,7 @@ class _Ring:
   head_axis: object = None
   head_groups: int = 1        # rings run one after another, each on Hkv / head_groups kv heads
   relayout: Relayout | None = None  # the caller's layout -> `layout` and back (None: the same)
+  kv_layout: str | None = None      # the keys' layout where it is not `layout`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +115,7 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
   programs at global b, h and positions, and the segment ids' document mask."""
   q_pos = layout_lib.position_map(ring.layout, place.index, q_len, place.num)
   source = (place.index - step) % place.num  # the device this step's keys started on
-  kv_pos = layout_lib.position_map(ring.layout, source, kv_len, place.num)
+  kv_pos = layout_lib.position_map(ring.kv_layout or ring.layout, source, kv_len, place.num)
 
   def shift(x, offset):
     return x if offset is None else x + offset
@@ -314,9 +320,14 @@ def moved(move, *arrays) -> list:
   return [None if x is None else next(moved_arrays) for x, _ in arrays]
 
 
-def _moved(ring: _Ring, direction: str, *arrays) -> list:
-  """`arrays` moved by the ring's relayout, `direction` "to_ring" or "from_ring"."""
-  return moved(ring.relayout and getattr(ring.relayout, direction), *arrays)
+def _moved(ring: _Ring, direction: str, *arrays, keys=()) -> list:
+  """`arrays` (the query side's) and then `keys` (the key side's) moved by
+  the ring's relayout, `direction` "to_ring" or "from_ring"; the keys stay
+  as they are where the relayout does not move them."""
+  move = ring.relayout and getattr(ring.relayout, direction)
+  if not (move and ring.relayout.moves_keys):
+    return moved(move, *arrays) + [x for x, _ in keys]
+  return moved(move, *arrays, *keys)
 
 
 def _over_head_groups(ring: _Ring, q, k, group_fn, results, start=None):
@@ -354,11 +365,11 @@ def _over_head_groups(ring: _Ring, q, k, group_fn, results, start=None):
 def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
   """(output, log-sum-exp) in the caller's layout: per head group, its q, k,
   v moved into the ring's layout, the ring, the results moved back."""
-  q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
+  q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), keys=[(kv_ids, 1)])
 
   def group(place, heads, kv_heads, _):
-    moved = _moved(ring, "to_ring",
-                   (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1))
+    moved = _moved(ring, "to_ring", (heads(q, 2), 1),
+                   keys=[(kv_heads(k, 2), 1), (kv_heads(v, 2), 1)])
     out, lse = _forward(ring, place, *moved, q_ids, kv_ids, consts)
     return _moved(ring, "from_ring", (out, 1), (lse, 2))
 
@@ -376,19 +387,19 @@ def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
   of the output before writing its dq there: the backward holds no second
   array of that size (a quarter of a GPU's inputs, outputs and gradients)."""
   q, k, v, q_ids, kv_ids, consts, out, lse = residuals
-  q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), (kv_ids, 1))
+  q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), keys=[(kv_ids, 1)])
   out_becomes_dq = out.shape == q.shape and out.dtype == q.dtype
 
   def group(place, heads, kv_heads, acc):
     saved_out = acc[0] if out_becomes_dq else out
     moved = _moved(ring, "to_ring",
-                   (heads(q, 2), 1), (kv_heads(k, 2), 1), (kv_heads(v, 2), 1),
-                   (heads(saved_out, 2), 1), (heads(d_out, 2), 1), (heads(lse, 1), 2),
-                   (heads(d_lse, 1), 2))
-    g_q, g_k, g_v, g_out, g_d_out, g_lse, g_d_lse = moved
-    grads = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_out, g_lse,
-                      g_d_out, g_d_lse)
-    return _moved(ring, "from_ring", *((g, 1) for g in grads))
+                   (heads(q, 2), 1), (heads(saved_out, 2), 1), (heads(d_out, 2), 1),
+                   (heads(lse, 1), 2), (heads(d_lse, 1), 2),
+                   keys=[(kv_heads(k, 2), 1), (kv_heads(v, 2), 1)])
+    g_q, g_out, g_d_out, g_lse, g_d_lse, g_k, g_v = moved
+    dq, dk, dv = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_out, g_lse,
+                           g_d_out, g_d_lse)
+    return _moved(ring, "from_ring", (dq, 1), keys=[(dk, 1), (dv, 1)])
 
   results = [(jax.ShapeDtypeStruct(x.shape, x.dtype), 2) for x in (q, k, v)]
   start = [out if out_becomes_dq else None, None, None]
@@ -495,7 +506,7 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
                    score_mod=None, mask_mod=None, rownorm="softmax", scale=None, sinks=None,
                    return_lse=False, batch_axis=None, head_axis=None, head_groups=None,
                    config=None, bwd_config=None, interpret=None, implementation=None,
-                   relayout: Relayout | None = None):
+                   relayout: Relayout | None = None, kv_layout: str | None = None):
   """`pallas_attn.attention` over a sequence split on mesh axis `axis_name`,
   for use inside `jax.shard_map`.
 
@@ -503,7 +514,8 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   device's shards of the sequence, laid out by `layout`: "contiguous"
   (device i holds the i-th block of positions) or "zigzag" (chunks i and
   2N - 1 - i of 2N; balances causal masks; `context_parallel_attention`
-  permutes into it). score_mod and mask_mod see global positions (and
+  permutes into it); k and v by `kv_layout` where it differs (None: the
+  same). score_mod and mask_mod see global positions (and
   global b / h where `batch_axis` / `head_axis` name the mesh axes the same
   shard_map splits them over); the arrays they close over are read at
   those indices. `segment_ids`: this device's `[B, S]` document ids (or a
@@ -522,7 +534,10 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
   elementwise rownorms). Differentiable in q, k, v and sinks.
   """
   _inputs.check_attention_inputs(q, k, v)
-  layout_lib.check_layout(layout, q.shape[1], k.shape[1])
+  layout_lib.check_layout(layout, q.shape[1])
+  layout_lib.check_layout(kv_layout or layout, k.shape[1])
+  if relayout is not None and not relayout.moves_keys and kv_layout is None:
+    raise ValueError("a relayout that leaves the keys in place needs their layout (kv_layout)")
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   check_rownorm(analysis, sinks)
   q_ids, kv_ids = segment_id_pair(segment_ids, q.shape[0], q.shape[1], k.shape[1])
@@ -534,7 +549,7 @@ def ring_attention(q, k, v, *, axis_name, layout="contiguous", segment_ids=None,
     raise ValueError(f"head_groups ({head_groups}) must be a positive divisor of the number "
                      f"of key/value heads on this device ({k.shape[2]})")
   ring = _Ring(axis_name, layout, analysis, options, batch_axis, head_axis, head_groups,
-               relayout)
+               relayout, kv_layout)
   consts = consts_of(analysis)
   out, lse = _ring(ring, q, k, v, q_ids, kv_ids, consts)
   if sinks is not None:
