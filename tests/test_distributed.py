@@ -118,6 +118,22 @@ def test_default_head_groups_bound_the_key_block():
     pa.context_parallel_attention(x, x, x, mesh=mesh, seq_axis="seq", head_groups=3)
 
 
+def test_ring_shifts_only_the_indices_a_program_reads():
+  """The ring gives a user program global b / h only where it reads them: a
+  causal mask captures no head group's offset (its block masks are the same
+  for every group), ALiBi's slope reads h, a document mask's ids read b."""
+  from pallas_attn.spec.analysis import analyze_variant
+  reads = pa.distributed.ring._reads_index
+  ids = jnp.zeros((2, 64), jnp.int32)
+  causal = analyze_variant(mask_mod=pa.variants.causal().mask_mod).mask_mod
+  alibi = analyze_variant(score_mod=pa.variants.alibi(num_heads=4).score_mod).score_mod
+  documents = analyze_variant(mask_mod=pa.variants.document(ids).mask_mod).mask_mod
+  assert not reads(causal, "h") and not reads(causal, "b")
+  assert reads(alibi, "h") and not reads(alibi, "b")
+  assert reads(documents, "b") and not reads(documents, "h")
+  assert not reads(None, "h")
+
+
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_distributed_compiled_on_local_gpus():

@@ -109,6 +109,19 @@ def _place(ring: _Ring, q, group_heads: int, group) -> _Place:
   return _Place(num, lax.axis_index(ring.axis_name), batch, head)
 
 
+def _reads_index(prog, name: str) -> bool:
+  """Whether the analyzed user program `prog` reads index `name` ('b' or
+  'h') at all: as a value, to read a captured array, or through a hoisted
+  per-head term."""
+  if prog is None or name not in prog.inputs:
+    return False
+  if name == "h" and any(term.per_head for term in prog.terms):
+    return True
+  jaxpr = prog.traced.jaxpr
+  index = jaxpr.invars[prog.inputs.index(name)]
+  return index in jaxpr.outvars or any(index in eqn.invars for eqn in jaxpr.eqns)
+
+
 def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int, step,
                     q_ids, kv_ids) -> tuple:
   """(score_mod, mask_mod) of step `step` on local indices: the user's
@@ -117,23 +130,35 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
   source = (place.index - step) % place.num  # the device this step's keys started on
   kv_pos = layout_lib.position_map(ring.kv_layout or ring.layout, source, kv_len, place.num)
 
-  def shift(x, offset):
-    return x if offset is None else x + offset
+  def global_indices(prog):
+    """The indices `prog` sees; b and h shifted only where it reads them, so
+    that a program of positions alone (a causal mask) captures no head
+    group's offset: its block masks are the same for every group."""
+    b_offset, h_offset = (offset if _reads_index(prog, name) else None
+                          for name, offset in (("b", place.batch_offset),
+                                               ("h", place.head_offset)))
 
-  def indices(b, h, q_idx, kv_idx):
-    return (shift(b, place.batch_offset), shift(h, place.head_offset), q_pos(q_idx),
-            kv_pos(kv_idx))
+    def shift(x, offset):
+      return x if offset is None else x + offset
+
+    def indices(b, h, q_idx, kv_idx):
+      return shift(b, b_offset), shift(h, h_offset), q_pos(q_idx), kv_pos(kv_idx)
+    return indices
 
   user_score, user_mask = as_mods(ring.analysis, consts)
   score_mod = mask_mod = None
   if user_score is not None:
+    score_indices = global_indices(ring.analysis.score_mod)
+
     def score_mod(score, b, h, q_idx, kv_idx):
-      return user_score(score, *indices(b, h, q_idx, kv_idx))
+      return user_score(score, *score_indices(b, h, q_idx, kv_idx))
   if user_mask is not None or q_ids is not None:
+    mask_indices = global_indices(ring.analysis.mask_mod)
+
     def mask_mod(b, h, q_idx, kv_idx):
       keep = None
       if user_mask is not None:
-        keep = user_mask(*indices(b, h, q_idx, kv_idx))
+        keep = user_mask(*mask_indices(b, h, q_idx, kv_idx))
       if q_ids is not None:
         same = q_ids[b, q_idx] == kv_ids[b, kv_idx]
         keep = same if keep is None else keep & same
