@@ -32,6 +32,19 @@ from hypothesis import strategies as st  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops each test module's compiled programs after it. An XLA CPU
+  executable holds a few memory mappings; a pytest-xdist worker that kept
+  every module's (about 30,000 mappings halfway through the suite) ran past
+  Linux's limit (vm.max_map_count, 65530) late in the run, where LLVM's next
+  compilation crashed the worker with a segmentation fault."""
+  yield
+  from pallas_attn.kernels import block_mask_cache
+  block_mask_cache.clear()
+  jax.clear_caches()
+
 # Every kernel test runs in interpret mode (CPU, CI) and compiled (GPU only).
 MODES = [pytest.param(True, id="interpret"),
          pytest.param(False, id="compiled", marks=pytest.mark.gpu)]

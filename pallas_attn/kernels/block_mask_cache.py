@@ -32,6 +32,13 @@ _TRACED: dict = {}    # block_mask's jaxpr text, shapes -> (compiled builder, ca
 _CACHE_MAX = 64
 
 
+def clear():
+  """Drops every compiled builder (with `jax.clear_caches()`, a process's
+  compiled programs: each holds a few of the kernel's memory mappings)."""
+  _BUILDERS.clear()
+  _TRACED.clear()
+
+
 def _remember(cache: dict, key, value):
   """Stores `value` under `key`, dropping the oldest entry past `_CACHE_MAX`."""
   if len(cache) >= _CACHE_MAX:
