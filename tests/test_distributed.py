@@ -123,7 +123,8 @@ def test_ring_shifts_only_the_indices_a_program_reads():
   causal mask captures no head group's offset (its block masks are the same
   for every group), ALiBi's slope reads h, a document mask's ids read b."""
   from pallas_attn.spec.analysis import analyze_variant
-  reads = pa.distributed.ring._reads_index
+  from pallas_attn.distributed.offsets import uses_index_value
+  reads = lambda prog, name: uses_index_value(prog, name, reads_too=True)
   ids = jnp.zeros((2, 64), jnp.int32)
   causal = analyze_variant(mask_mod=pa.variants.causal().mask_mod).mask_mod
   alibi = analyze_variant(score_mod=pa.variants.alibi(num_heads=4).score_mod).score_mod

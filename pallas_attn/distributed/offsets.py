@@ -27,17 +27,22 @@ from pallas_attn.spec.captures import CaptureUse, ElementwiseProgram
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 
 
-def uses_index_value(prog: ElementwiseProgram | None, name: str) -> bool:
+def uses_index_value(prog: ElementwiseProgram | None, name: str, *,
+                     reads_too: bool = False) -> bool:
   """Whether `prog` computes with index `name` ('b' or 'h') beyond reading
-  blocked captures with it (which the kernel does at the local index). A
-  hoisted diagonal term of the head counts: its vector, evaluated per call
-  on the shard (kernels/tiles.py), must see the global head."""
+  blocked captures with it (which the kernel does at the local index); with
+  `reads_too`, those reads count as well (ring attention reads the user's
+  arrays at global indices). A hoisted diagonal term of the head counts:
+  its vector, evaluated per call on the shard (kernels/tiles.py), must see
+  the global head."""
   if prog is None or name not in prog.inputs:
     return False
   if name == "h" and any(term.per_head for term in prog.terms):
     return True
   jaxpr = prog.traced.jaxpr
   index_var = jaxpr.invars[prog.inputs.index(name)]
+  if reads_too:
+    return index_var in jaxpr.outvars or any(index_var in eqn.invars for eqn in jaxpr.eqns)
   return any(index_var in jaxpr.eqns[n].invars for n in prog.kernel_equations())
 
 

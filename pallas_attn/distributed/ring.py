@@ -58,6 +58,7 @@ from jax import lax
 
 from pallas_attn import _inputs, api
 from pallas_attn.distributed import layout as layout_lib
+from pallas_attn.distributed.offsets import uses_index_value
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods, consts_of
 
 
@@ -109,19 +110,6 @@ def _place(ring: _Ring, q, group_heads: int, group) -> _Place:
   return _Place(num, lax.axis_index(ring.axis_name), batch, head)
 
 
-def _reads_index(prog, name: str) -> bool:
-  """Whether the analyzed user program `prog` reads index `name` ('b' or
-  'h') at all: as a value, to read a captured array, or through a hoisted
-  per-head term."""
-  if prog is None or name not in prog.inputs:
-    return False
-  if name == "h" and any(term.per_head for term in prog.terms):
-    return True
-  jaxpr = prog.traced.jaxpr
-  index = jaxpr.invars[prog.inputs.index(name)]
-  return index in jaxpr.outvars or any(index in eqn.invars for eqn in jaxpr.eqns)
-
-
 def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int, step,
                     q_ids, kv_ids) -> tuple:
   """(score_mod, mask_mod) of step `step` on local indices: the user's
@@ -134,7 +122,7 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
     """The indices `prog` sees; b and h shifted only where it reads them, so
     that a program of positions alone (a causal mask) captures no head
     group's offset: its block masks are the same for every group."""
-    b_offset, h_offset = (offset if _reads_index(prog, name) else None
+    b_offset, h_offset = (offset if uses_index_value(prog, name, reads_too=True) else None
                           for name, offset in (("b", place.batch_offset),
                                                ("h", place.head_offset)))
 
