@@ -5,10 +5,11 @@ over the mesh: the sequence axis is split over `seq_axis` (and batch and
 heads, optionally, over `batch_axis` and `head_axis`). With load balancing
 it moves each device's shard into the zigzag layout first (two chunks per
 device, so that every device has the same causal work; over two devices
-the queries' alone, see `_context_parallel`) and the result back, with `ppermute`s of half a shard: around the ring where it runs in
-one head group, inside its forward and backward for one group at a time
-where it runs in several (so that no moved copy of a whole shard is kept
-for the backward); inputs already in the zigzag order
+the queries' alone, see `_context_parallel`) and the result back, with
+`ppermute`s of half a shard: around the ring where it runs in one head
+group, inside its forward and backward for one group at a time where it
+runs in several (so that no moved copy of a whole shard is kept for the
+backward); inputs already in the zigzag order
 (`sequence_order="zigzag"`, `layout.zigzag_order`) need no moves.
 """
 from __future__ import annotations

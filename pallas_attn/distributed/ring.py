@@ -42,9 +42,10 @@ caller whose shards are in another layout (`context_parallel_attention`'s
 natural order) passes its moves (`Relayout`), done per group inside the
 forward and backward, so that no moved copy of a whole shard is kept for
 the backward either; where the keys may stay in the caller's layout
-(`kv_layout`, context_parallel's ring of two) only the query side moves. The backward writes dq into the saved output's array
-(the same shape and dtype where Dqk = Dv), which it no longer needs once a
-group has read its heads: the output's bytes are not held twice.
+(`kv_layout`, context_parallel's ring of two) only the query side moves.
+The backward writes dq into the saved output's array (the same shape and
+dtype where Dqk = Dv), which it no longer needs once a group has read its
+heads: the output's bytes are not held twice.
 """
 from __future__ import annotations
 
@@ -118,6 +119,9 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
   source = (place.index - step) % place.num  # the device this step's keys started on
   kv_pos = layout_lib.position_map(ring.kv_layout or ring.layout, source, kv_len, place.num)
 
+  def shift(x, offset):
+    return x if offset is None else x + offset
+
   def global_indices(prog):
     """The indices `prog` sees; b and h shifted only where it reads them, so
     that a program of positions alone (a causal mask) captures no head
@@ -125,9 +129,6 @@ def _global_variant(ring: _Ring, place: _Place, consts, q_len: int, kv_len: int,
     b_offset, h_offset = (offset if uses_index_value(prog, name, reads_too=True) else None
                           for name, offset in (("b", place.batch_offset),
                                                ("h", place.head_offset)))
-
-    def shift(x, offset):
-      return x if offset is None else x + offset
 
     def indices(b, h, q_idx, kv_idx):
       return shift(b, b_offset), shift(h, h_offset), q_pos(q_idx), kv_pos(kv_idx)
