@@ -136,7 +136,7 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
     descales = fp8.kernel_descales(q_descale, k_descale, v_descale, q.shape[0], q.shape[2],
                                    k.shape[2])
     out, stat = fp8.forward_only(functools.partial(_attention, call=call))(
-        q, k, v, consts, block_masks, sinks, None, descales)
+        q, k, v, consts, block_masks, sinks, descales)
   else:
     if fp8_inputs:
       q, k, v, output_factor = fp8.dequantized(q, k, v, q_descale, k_descale, v_descale)
@@ -297,19 +297,9 @@ class _Call:
     return hash(self.key)
 
 
-@functools.partial(jax.jit, static_argnames="call")
-def _attention(q, k, v, consts, block_masks, sinks, recorded=None, descales=None, *,
-               call: _Call):
-  """Pads to the blocks of both passes, runs the differentiable core, unpads.
-
-  Jitted with the call's static part as the key, so that eager calls
-  (outside any jit) compile once per variant and shape, not on every call;
-  under an outer jit it is inlined. With `recorded` = (out, row statistic)
-  it runs no forward: it returns those, and its gradient is attention's
-  backward with them as the saved output and statistic (ring attention's
-  backward steps: each block of keys against the merged rows). With fp8
-  `descales` (`fp8.kernel_descales`) it runs the fp8 forward alone.
-  """
+def _padded(q, k, v, call: _Call):
+  """(core spec, q, k, v padded to the blocks of both passes and the kernels'
+  head dims, padded query length, padded Dv)."""
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
   cfg, bwd_cfg = call.config, call.bwd_config
@@ -325,15 +315,45 @@ def _attention(q, k, v, consts, block_masks, sinks, recorded=None, descales=None
       seq_q=seq_q, seq_kv=seq_kv, group=heads // k.shape[2], fp32_exact=q.dtype == jnp.float32,
       config=cfg, bwd_config=bwd_cfg, interpret=call.interpret,
       forward_lowering=call.forward_lowering, backward_lowering=call.backward_lowering)
+  return spec, qp, kp, vp, seq_q_pad, d_v_pad
+
+
+@functools.partial(jax.jit, static_argnames="call")
+def _attention(q, k, v, consts, block_masks, sinks, descales=None, *, call: _Call):
+  """Pads to the blocks of both passes, runs the differentiable core, unpads.
+
+  Jitted with the call's static part as the key, so that eager calls
+  (outside any jit) compile once per variant and shape, not on every call;
+  under an outer jit it is inlined. With fp8 `descales`
+  (`fp8.kernel_descales`) it runs the fp8 forward alone.
+  """
+  seq_q, d_v = q.shape[1], v.shape[3]
+  spec, qp, kp, vp, _, _ = _padded(q, k, v, call)
   if descales is not None:
     out, stat = attention_vjp.fp8_forward(qp, kp, vp, consts, block_masks, sinks, descales,
                                           spec=spec)
-  elif recorded is None:
-    out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
   else:
-    out, stat = recorded
-    out = _pad_to(_pad_to(out.astype(q.dtype), 1, seq_q_pad), 3, d_v_pad)
-    stat = jnp.pad(stat, [(0, 0), (0, 0), (0, seq_q_pad - seq_q)], constant_values=-jnp.inf)
-    out, stat = attention_vjp.recorded_core(qp, kp, vp, consts, block_masks, sinks, out, stat,
-                                            spec=spec)
+    out, stat = attention_vjp.attention_core(qp, kp, vp, consts, block_masks, sinks, spec=spec)
   return out[:, :seq_q, :, :d_v], stat[:, :, :seq_q]
+
+
+@functools.partial(jax.jit, static_argnames="call")
+def _recorded_gradients(q, k, v, consts, block_masks, sinks, stat, delta, d_out, *,
+                        call: _Call):
+  """(dq, dk, dv): attention's backward kernels at (q, k, v), given the row
+  statistic `stat` `[B, Hq, Sq]` and the row terms `delta` = rowsum(dO * O)
+  minus the statistic's cotangent (None for elementwise rownorms) instead of
+  the output, and the output's cotangent `d_out`; no forward runs.
+
+  Ring attention's backward steps: each block of keys against the rows
+  merged over all blocks, whose statistic and delta its part needs."""
+  seq_q, seq_kv = q.shape[1], k.shape[1]
+  spec, qp, kp, vp, seq_q_pad, d_v_pad = _padded(q, k, v, call)
+  pad_rows = lambda x, value: jnp.pad(x, [(0, 0), (0, 0), (0, seq_q_pad - seq_q)],
+                                      constant_values=value)
+  d_out = _pad_to(_pad_to(d_out.astype(q.dtype), 1, seq_q_pad), 3, d_v_pad)
+  dq, dk, dv = attention_vjp.recorded_gradients(
+      qp, kp, vp, consts, block_masks, sinks, pad_rows(stat, -jnp.inf),
+      None if delta is None else pad_rows(delta, 0.0), d_out, spec=spec)
+  return (dq[:, :seq_q, :, :q.shape[3]], dk[:, :seq_kv, :, :k.shape[3]],
+          dv[:, :seq_kv, :, :v.shape[3]])

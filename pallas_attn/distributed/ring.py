@@ -8,9 +8,9 @@ statistic returned), and folds the partial result into its rows: softmax
 rownorms by log-sum-exp (`out = sum_t exp(lse_t - lse) out_t`), elementwise
 ones by a plain sum. The transfer of the next block is issued before the
 step's kernel and its result held until the kernel's (`_behind`), so that
-XLA's asynchronous collectives overlap the two; it is one buffer
+XLA's asynchronous collectives overlap the two; the forward's is one buffer
 (`layout.pack`), since on GPUs a kernel queued behind several collectives
-waits for all but the last of them.
+waited for all but the last of them.
 The last step's block goes no further: a device sends N - 1 blocks.
 
 score_mod and mask_mod see global positions: each step wraps them so that
@@ -29,11 +29,13 @@ The backward is a second ring with the same steps: each device keeps dq
 adds its part in float32), follows the block one step behind, so that its
 transfer also overlaps a kernel, from the device after the block's own back
 to it, which adds its part last (N - 1 transfers of each). Each step runs
-attention's backward kernels for (local queries, visiting keys) with the
-merged output and log-sum-exp as the saved statistics (`api._attention(recorded=...)`):
-no forward is recomputed and nothing per step is kept, so memory stays
-that of one device's shard (differentiating through the forward ring
-instead would save every step's keys, values and partial output).
+attention's backward kernels for (local queries, visiting keys) on the
+merged log-sum-exp and softmax's row terms rowsum(dO * O) - d_lse, made
+once per head group (`api._recorded_gradients`): no forward is recomputed,
+no output is read and nothing per step is kept, so memory stays that of one
+device's shard (differentiating through the forward ring instead would
+save every step's keys, values and partial output). Its messages are not
+packed: each array goes as it is (see `_backward`).
 
 Long shards run the ring in head groups (`head_groups`), one group's ring
 after the other's, so that its buffers (the blocks in flight, the
@@ -60,6 +62,7 @@ from jax import lax
 from pallas_attn import _inputs, api
 from pallas_attn.distributed import layout as layout_lib
 from pallas_attn.distributed.offsets import uses_index_value
+from pallas_attn.vjp import attention_vjp
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods, consts_of
 
 
@@ -179,7 +182,8 @@ def _when(live, compute, skipped):
 
 
 def _pass_on(ring: _Ring, place: _Place, message):
-  """`message` (one array: `layout.pack`) sent to the next device of the ring."""
+  """`message` (an array, or a list of arrays: one collective each) sent to
+  the next device of the ring."""
   perm = [(i, (i + 1) % place.num) for i in range(place.num)]
   return lax.ppermute(message, ring.axis_name, perm)
 
@@ -250,14 +254,21 @@ def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
   return out.astype(q.dtype), lse  # saved in q's dtype, as attention saves its output
 
 
-def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, lse, d_out,
-              d_lse):
+def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, lse, delta, d_out):
   """(dq, dk, dv) over a second ring: dq stays; each block's dk/dv
   accumulator, in the keys' dtype (each device adds its part in float32),
   starts on the device the block visits after its own, follows it one step
   behind (so that its transfer also overlaps a kernel) and returns to the
   block's device, which adds its own part last. A device sends N - 1 blocks
-  and N - 1 accumulators, one buffer a step. Everything in the ring's layout."""
+  and N - 1 accumulators. `delta`: softmax's rowsum(dO * O) minus the lse's
+  cotangent (None for elementwise rownorms), so that the steps read no
+  output. Everything in the ring's layout.
+
+  A message's arrays go as they are, one collective each, not packed into
+  one buffer as the forward's: the packed copy of a block sat at the
+  backward's memory peak (step 0: the block, its packed copy and the block
+  received), and the backward's steps ran as fast without it (two H200s,
+  `benchmarks/results/NOTES.md`)."""
   d_out = d_out.astype(q.dtype)
   block_like = [x for x in (k, v, kv_ids) if x is not None]
 
@@ -265,10 +276,8 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
     call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
 
     def compute():
-      def recorded(q, k, v):
-        return api._attention(q, k, v, step_consts, block_masks, None, (out, lse), call=call)
-      _, pullback = jax.vjp(recorded, q, *block[:2])
-      return pullback((d_out, d_lse))
+      return api._recorded_gradients(q, *block[:2], step_consts, block_masks, None, lse,
+                                     delta, d_out, call=call)
     return _when(live, compute, lambda: tuple(jnp.zeros(x.shape, x.dtype)
                                               for x in (q, *block[:2])))
 
@@ -278,16 +287,16 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
             for a, g, x in zip(acc, grads, (k, v))]
 
   def visit(step, block, acc, dq, *, passes_block: bool):
-    """Step `step` >= 1 on the visiting `block`. Sends (one buffer) the block
-    on where a later step needs it (`passes_block`) and `acc`, the
-    accumulator of the block visited one step before (None at step 1: that
-    block is this device's own). Returns (the next step's block, this
-    block's accumulator with this step's part, dq)."""
+    """Step `step` >= 1 on the visiting `block`. Sends the block on where a
+    later step needs it (`passes_block`) and `acc`, the accumulator of the
+    block visited one step before (None at step 1: that block is this
+    device's own). Returns (the next step's block, this block's accumulator
+    with this step's part, dq)."""
     sends = (list(block) if passes_block else []) + list(acc or [])
-    message = _pass_on(ring, place, layout_lib.pack(sends)) if sends else None
-    message, (g_q, g_k, g_v) = _behind(message, gradients(step, block))
+    received = _pass_on(ring, place, sends) if sends else None
+    received, (g_q, g_k, g_v) = _behind(received, gradients(step, block))
     # What the previous device sent this step: the next block, and this block's accumulator.
-    received = layout_lib.unpack(message, sends) if sends else []
+    received = received or []
     next_block = received[:len(block)] if passes_block else None
     if acc is None:  # this block's accumulator starts here
       acc = [g.astype(x.dtype) for g, x in ((g_k, k), (g_v, v))]
@@ -296,13 +305,12 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
     return next_block, acc, dq + g_q.astype(jnp.float32)
 
   num = place.num
-  received = _pass_on(ring, place, layout_lib.pack(block_like)) if num > 1 else None
+  received = _pass_on(ring, place, block_like) if num > 1 else None
   # This device's block: its part is added last.
   received, (g_q, own_k, own_v) = _behind(received, gradients(0, block_like))
   if num == 1:
     return g_q.astype(q.dtype), own_k.astype(k.dtype), own_v.astype(v.dtype)
-  block = layout_lib.unpack(received, block_like)
-  block, acc, dq = visit(1, block, None, g_q.astype(jnp.float32), passes_block=num > 2)
+  block, acc, dq = visit(1, received, None, g_q.astype(jnp.float32), passes_block=num > 2)
   if num > 3:
     block, acc, dq = lax.fori_loop(
         2, num - 1, lambda step, carry: visit(step, *carry, passes_block=True),
@@ -310,8 +318,7 @@ def _backward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts, out, l
   if num > 2:
     _, acc, dq = visit(num - 1, block, acc, dq, passes_block=False)
   # The last block's accumulator lacks only its own device's part: it goes home.
-  home = layout_lib.unpack(_pass_on(ring, place, layout_lib.pack(acc)), acc)
-  dk, dv = added(home, (own_k, own_v))
+  dk, dv = added(_pass_on(ring, place, acc), (own_k, own_v))
   return dq.astype(q.dtype), dk, dv
 
 
@@ -394,25 +401,30 @@ def _grouped_forward(ring: _Ring, q, k, v, q_ids, kv_ids, consts):
 
 
 def _grouped_backward(ring: _Ring, residuals, d_out, d_lse):
-  """(dq, dk, dv) in the caller's layout: per head group, its inputs, output,
-  statistics and cotangents moved into the ring's layout, the backward ring,
-  its gradients moved back. Where dq and the saved output agree in shape and
-  dtype, dq is written into the output's array, each group reading its heads
-  of the output before writing its dq there: the backward holds no second
-  array of that size (a quarter of a GPU's inputs, outputs and gradients)."""
+  """(dq, dk, dv) in the caller's layout: per head group, softmax's row
+  terms made from its heads of the output (rowsum(dO * O) - d_lse), its
+  inputs, statistics, row terms and cotangents moved into the ring's layout,
+  the backward ring, its gradients moved back. The output itself is neither
+  moved nor read by the steps. Where dq and the saved output agree in shape
+  and dtype, dq is written into the output's array, each group reading its
+  heads of the output before writing its dq there: the backward holds no
+  second array of that size (a quarter of a GPU's inputs, outputs and
+  gradients)."""
   q, k, v, q_ids, kv_ids, consts, out, lse = residuals
   q_ids, kv_ids = _moved(ring, "to_ring", (q_ids, 1), keys=[(kv_ids, 1)])
   out_becomes_dq = out.shape == q.shape and out.dtype == q.dtype
+  softmax = ring.analysis.rownorm.kind == "softmax"
 
   def group(place, heads, kv_heads, acc):
     saved_out = acc[0] if out_becomes_dq else out
-    moved = _moved(ring, "to_ring",
-                   (heads(q, 2), 1), (heads(saved_out, 2), 1), (heads(d_out, 2), 1),
-                   (heads(lse, 1), 2), (heads(d_lse, 1), 2),
+    delta = (attention_vjp.row_delta(heads(saved_out, 2), heads(d_out, 2), heads(d_lse, 1))
+             if softmax else None)
+    moved = _moved(ring, "to_ring", (heads(q, 2), 1), (heads(d_out, 2), 1),
+                   (heads(lse, 1), 2), (delta, 2),
                    keys=[(kv_heads(k, 2), 1), (kv_heads(v, 2), 1)])
-    g_q, g_out, g_d_out, g_lse, g_d_lse, g_k, g_v = moved
-    dq, dk, dv = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_out, g_lse,
-                           g_d_out, g_d_lse)
+    g_q, g_d_out, g_lse, g_delta, g_k, g_v = moved
+    dq, dk, dv = _backward(ring, place, g_q, g_k, g_v, q_ids, kv_ids, consts, g_lse, g_delta,
+                           g_d_out)
     return _moved(ring, "from_ring", (dq, 1), keys=[(dk, 1), (dv, 1)])
 
   results = [(jax.ShapeDtypeStruct(x.shape, x.dtype), 2) for x in (q, k, v)]

@@ -76,7 +76,8 @@ def backward(run, spec, res, d_out, d_stat):
   """`run(spec, res, d_out, d_stat)` -> (dq, dk, dv, (score_mod's capture
   gradients, mask_mod's), None, sink gradient or None), partitioned over
   batch and heads. `res`: the core's residuals (fields q, k, v, consts,
-  block_mask, sinks, out, stat, row_stats and the static `differentiated`)."""
+  block_mask, sinks, out, stat, row_stats, delta and the static
+  `differentiated`)."""
   consts_dims = _consts_dims(spec, res.consts, res.q)
   score_dims = consts_dims[0]
 
@@ -97,8 +98,10 @@ def backward(run, spec, res, d_out, d_stat):
   res_dims = dataclasses.replace(
       res, q=Q_DIMS, k=KV_DIMS, v=KV_DIMS, consts=consts_dims,
       block_mask=_block_mask_dims(res.block_mask),
-      sinks=None if res.sinks is None else SINK_DIMS, out=OUT_DIMS, stat=ROW_DIMS,
-      row_stats=None if res.row_stats is None else ROW_STATS_DIMS)
+      sinks=None if res.sinks is None else SINK_DIMS,
+      out=None if res.out is None else OUT_DIMS, stat=ROW_DIMS,
+      row_stats=None if res.row_stats is None else ROW_STATS_DIMS,
+      delta=None if res.delta is None else ROW_DIMS)
   score_out_dims = tuple(dims if differentiated else None
                          for dims, differentiated in zip(score_dims, res.differentiated))
   out_dims = (Q_DIMS, KV_DIMS, KV_DIMS, score_out_dims,

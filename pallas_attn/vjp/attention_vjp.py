@@ -90,7 +90,8 @@ def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks, descales=None):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["q", "k", "v", "consts", "block_mask", "sinks", "out", "stat", "row_stats"],
+    data_fields=["q", "k", "v", "consts", "block_mask", "sinks", "out", "stat", "row_stats",
+                 "delta"],
     meta_fields=["differentiated"])
 @dataclasses.dataclass(frozen=True)
 class _Residuals:
@@ -100,10 +101,11 @@ class _Residuals:
   consts: tuple          # (score_mod's captured arrays, mask_mod's)
   block_mask: object     # the backward's BlockMask or None
   sinks: jax.Array | None  # [Hq] sink logits
-  out: jax.Array
+  out: jax.Array | None  # None where `delta` is given
   stat: jax.Array
   row_stats: jax.Array | None
   differentiated: tuple  # per score_mod capture: whether it needs a gradient
+  delta: jax.Array | None = None  # softmax's rowsum(dO * O) - d_stat, where given
 
 
 def attention_core(q, k, v, consts, block_masks, sinks, *, spec: CoreSpec):
@@ -132,31 +134,20 @@ def fp8_forward(q, k, v, consts, block_masks, sinks, descales, *, spec: CoreSpec
   return out, stat
 
 
-def recorded_core(q, k, v, consts, block_masks, sinks, out, stat, *, spec: CoreSpec):
-  """`(out, stat)` as given, with the gradient of attention at (q, k, v)
-  whose saved output and row statistic they are (no forward runs).
-
-  Ring attention's backward step: the keys of one block against the rows
-  merged over all blocks, whose output and log-sum-exp are the ones the
-  gradient of each block's part needs. `out` and `stat` get no cotangent.
-  Softmax and elementwise rownorms (normalized ones save more statistics).
-  """
+def recorded_gradients(q, k, v, consts, block_masks, sinks, stat, delta, d_out, *,
+                       spec: CoreSpec):
+  """(dq, dk, dv) on padded inputs: the backward kernels at (q, k, v) with
+  the saved row statistic `stat` and the softmax row terms `delta` =
+  rowsum(dO * O) minus the statistic's cotangent (None for elementwise
+  rownorms) given, for the output cotangent `d_out`. No forward runs and no
+  output is read: ring attention's backward steps, each block of keys
+  against the rows merged over all blocks. Captured arrays get no gradient
+  (the ring refuses differentiated ones)."""
   if spec.analysis.rownorm.kind == "normalized":
     raise ValueError("recorded statistics: normalized rownorms are not supported")
-  core = jax.custom_vjp(lambda q, k, v, consts, block_masks, sinks, out, stat: (out, stat))
-
-  def fwd(q, k, v, consts, block_masks, sinks, out, stat):
-    differentiated = _differentiated(consts[0])
-    q, k, v, consts, block_masks, sinks, out, stat = (
-        jax.custom_derivatives.custom_vjp_primal_tree_values(
-            (q, k, v, consts, block_masks, sinks, out, stat)))
-    return (out, stat), _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), sinks, out,
-                                   stat, None, differentiated)
-
-  def bwd(res, cotangents):
-    return _core_bwd(spec, res, cotangents) + (None, None)
-  core.defvjp(fwd, bwd, symbolic_zeros=True)
-  return core(q, k, v, consts, block_masks, sinks, out, stat)
+  res = _Residuals(q, k, v, consts, _pass_mask(block_masks, 1), sinks, None, stat, None,
+                   (False,) * len(consts[0]), delta)
+  return sharded_passes.backward(_backward, spec, res, d_out, None)[:3]
 
 
 def _differentiated(score_consts) -> tuple:
@@ -225,7 +216,9 @@ def _backward(spec, res: _Residuals, d_out, d_stat):
   plan = parallel_backward.BackwardPlan(
       **_plan_fields(spec, cfg, operands, block_mask is not None, res.sinks is not None),
       num_q_blocks=_cdiv(spec.seq_q, cfg.block_q), grad_kinds=grad_kinds)
-  if template is parallel_backward:
+  if res.delta is not None:  # given (ring attention's steps): both templates take the rows
+    rows = jnp.stack([softmax_lse2(res.stat), res.delta], axis=2)
+  elif template is parallel_backward:
     rows = row_terms(analysis.rownorm, res.out, d_out, res.stat, res.row_stats, d_stat)
   else:  # the dq kernel computes delta
     rows = template.row_inputs(analysis.rownorm, res.out, res.stat, d_stat)
@@ -266,7 +259,7 @@ def _sink_gradient(sinks, lse, delta, seq_q: int):
   return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
 
 
-def _delta(out, d_out, d_stat):
+def row_delta(out, d_out, d_stat):
   """`rowsum(dO * O)` `[B, H, Sq_pad]`, minus the lse cotangent when given."""
   delta = jnp.transpose(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1),
                         (0, 2, 1))
@@ -286,8 +279,8 @@ def row_terms(rownorm: RowNorm, out, d_out, stat, row_stats, d_stat):
   if rownorm.kind == "elementwise":
     return None
   if rownorm.kind == "softmax":
-    return jnp.stack([softmax_lse2(stat), _delta(out, d_out, d_stat)], axis=2)
-  delta = _delta(out, d_out, None)
+    return jnp.stack([softmax_lse2(stat), row_delta(out, d_out, d_stat)], axis=2)
+  delta = row_delta(out, d_out, None)
   num_stats = len(rownorm.stats)
   stats = tuple(row_stats[:, :, n] for n in range(num_stats))
 

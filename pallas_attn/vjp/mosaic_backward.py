@@ -58,13 +58,14 @@ def _ring_stages(requested: int, fixed: int, per_stage: int) -> int:
 
 
 def ring_depths(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
-                row_terms: bool) -> tuple[int, int]:
+                row_terms: bool, rows_given: bool = False) -> tuple[int, int]:
   """The dq and dk/dv kernels' ring depths for `config` on padded head dims:
   `config.num_stages`, capped by shared memory beside each kernel's resident
-  tiles. `row_terms`: a softmax rownorm, whose dq kernel also stages the
-  output tile and writes (lse2, delta) rows that the dk/dv ring carries."""
+  tiles. `row_terms`: a softmax rownorm, whose (lse2, delta) rows the dk/dv
+  ring carries; the dq kernel computes them, staging the output tile, unless
+  `rows_given`."""
   fixed = (config.block_q // SUB) * SUB * (d_qk + d_v) * itemsize
-  if row_terms:
+  if row_terms and not rows_given:
     fixed += (config.block_q // SUB) * SUB * (d_v * itemsize + 2 * 4)
   step_keys = min(DQ_STEP_KEYS, config.block_k)
   dq = _ring_stages(config.num_stages, fixed, step_keys * (d_qk + d_v) * itemsize)
@@ -88,7 +89,8 @@ def row_inputs(rownorm, out, stat, d_stat):
   """What the dq kernel derives the softmax row terms from: (lse in log2
   units, the output, the lse cotangent or None); None for elementwise
   rownorms. The dq kernel computes `delta = rowsum(dO * O) - d_stat` from
-  the tiles it loads anyway and writes both terms for the dk/dv kernel."""
+  the tiles it loads anyway and writes both terms for the dk/dv kernel.
+  (`backward` also takes the terms made already, `[B, H, 2, Sq_pad]`.)"""
   if rownorm.kind == "elementwise":
     return None
   return softmax_lse2(stat), out, d_stat
@@ -98,7 +100,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
                num_q_blocks: int, step_keys: int, num_row_refs: int):
   row_refs, cap_refs, list_refs, rest = split_inputs(plan, refs, num_row_refs)
   dq_ref, *rest = rest
-  if row_refs:
+  computes_rows = num_row_refs > 1  # (lse2, out[, d_stat]); else the rows given, or none
+  if computes_rows:
     rows_out_ref, *rest = rest
     o_smem, rows_smem, o_ready, *rest = rest
   (q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, kv_ready, k_free, v_free) = rest
@@ -138,14 +141,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     if plan.analysis.separable_bias:
       bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, SUB)
     q_rows = pl.ds(q_start, SUB)
-    if row_refs:
+    row_layout = mb.plgpu.Layout.WGMMA.reduce(1)
+    if computes_rows:
       lse2_ref, out_ref, *d_stat_ref = row_refs
       mb.plgpu.copy_gmem_to_smem(out_ref.at[b, q_rows, h], o_smem.at[wg], o_ready.at[wg])
     mb.plgpu.barrier_wait(q_ready.at[wg])
     mb.plgpu.barrier_wait(do_ready.at[wg])
     rows = ()
-    if row_refs:  # softmax: lse2 and delta = rowsum(dO * O) - d_stat
-      row_layout = mb.plgpu.Layout.WGMMA.reduce(1)
+    if row_refs and not computes_rows:  # softmax's (lse2, delta), given
+      rows = tuple(mb.load_ref(row_refs[0].at[b, h, n, q_rows], layout=row_layout,
+                               optimized=False) for n in range(2))
+    elif row_refs:  # softmax: lse2 and delta = rowsum(dO * O) - d_stat
       lse2 = mb.load_ref(lse2_ref.at[b, h, q_rows], layout=row_layout, optimized=False)
       mb.plgpu.barrier_wait(o_ready.at[wg])
       tile_of = lambda ref: mb.load_ref(ref, layout=mb.plgpu.Layout.WGMMA)
@@ -159,8 +165,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       rows_smem.at[wg, 1][...] = delta
       mb.plgpu.commit_smem()
       mb.plgpu.copy_smem_to_gmem(rows_smem.at[wg], rows_out_ref.at[b, h, :, q_rows])
-      if fold_bias:  # the bias's part along the rows joins lse2
-        rows = (lse2 - bias_rows * LOG2E, delta)
+    if rows and fold_bias:  # the bias's part along the rows joins lse2
+      rows = (rows[0] - bias_rows * LOG2E, rows[1])
 
     def visit(step, kv_block, sub, masked: bool, dq):
       slot = lax.rem(step, stages)
@@ -327,6 +333,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   of parallel_backward.backward for calls whose captures need no gradient
   (softmax and elementwise rownorms), returning as rows the row terms the dq
   kernel computed (softmax's `[B, H, 2, Sq_pad]` lse2 and delta), or None.
+  `rows`: `row_inputs`' (the dq kernel computes the terms), the terms
+  themselves (`[B, H, 2, Sq_pad]` float32: no output is read), or None.
   `config.block_q` / `block_k` are the rows a dq / dk-dv program owns (64
   per consumer warpgroup) and the block mask's tiles; `config.num_stages`
   the depth of the 64-row ring."""
@@ -346,9 +354,12 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
 
   consumers = plan.block_q // SUB
   step_keys = min(DQ_STEP_KEYS, plan.block_k)
-  stages, dkv_stages = ring_depths(config, d_qk, d_v, item, rows is not None)
+  rows_given = rows is not None and not isinstance(rows, tuple)
+  stages, dkv_stages = ring_depths(config, d_qk, d_v, item, rows is not None, rows_given)
   dq_rows, row_outputs, row_scratch = (), [], []
-  if rows is not None:  # softmax: the kernel writes [B, H, 2, Sq_pad] (lse2, delta)
+  if rows_given:
+    dq_rows = (rows,)
+  elif rows is not None:  # softmax: the kernel writes [B, H, 2, Sq_pad] (lse2, delta)
     lse2, out, d_stat = rows
     dq_rows = (lse2, out) + (() if d_stat is None else (d_stat,))
     row_outputs = [jax.ShapeDtypeStruct((batch, heads, 2, seq_q_pad), jnp.float32)]
@@ -375,6 +386,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
       thread_name="wg",
       compiler_params=params,
   )(q, k, v, d_out, *dq_rows, *capture_arrays, *q_lists)
+  if rows_given:
+    row_terms = [rows]
 
   consumers = plan.block_k // SUB
   stages = dkv_stages
