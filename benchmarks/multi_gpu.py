@@ -94,6 +94,12 @@ def _profile(call, devices, calls: int = 3) -> list:
   return [per_device.get(i, {}) for i in range(len(devices))]
 
 
+# Calls per timed window, one GPU and the ring alike: these calls outlast
+# timing.WINDOW_MS, and a window of one call holds its dispatch and wait,
+# about 1 ms for a two-GPU program (a training loop's next step hides it).
+CALLS_PER_WINDOW = 3
+
+
 def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
                  preordered: bool = False, head_groups: int | None = None) -> dict:
   """Per mode: ms, TFLOP/s and bytes per GPU of the ring over `devices` GPUs
@@ -121,7 +127,7 @@ def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
   for mode, fn, args in (("fwd", attention, (q, k, v)), ("fwd_bwd", step, (q, k, v, cotangent))):
     compiled = jax.jit(fn).lower(*args).compile()
     memory = _memory(compiled, lambda: compiled(*args), chosen)
-    ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5)
+    ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5, min_calls=CALLS_PER_WINDOW)
     flops = attention_flops(1, heads, seq, seq, d, d, density=(seq + 1) / (2 * seq), mode=mode)
     result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, **memory}
     if profile and mesh is not None:

@@ -343,8 +343,9 @@ def test_mask_density():
 
 
 def test_median_time_ms_times_windows_of_calls():
-  """warmup calls, then reps windows; a window holds one call when the
-  warm-up call alone outlasts it, more when calls are short."""
+  """warmup calls, then reps windows; a window holds one call (or
+  `min_calls`) when the warm-up call alone outlasts it, more when calls are
+  short."""
   calls = []
   def fn():
     calls.append(1)
@@ -354,6 +355,9 @@ def test_median_time_ms_times_windows_of_calls():
   calls.clear()
   timing.median_time_ms(fn, warmup=2, reps=5, window_ms=1e6)
   assert len(calls) == 2 + 5 * timing.MAX_CALLS_PER_WINDOW
+  calls.clear()
+  timing.median_time_ms(fn, warmup=2, reps=5, window_ms=0.0, min_calls=3)
+  assert len(calls) == 2 + 5 * 3
 
 
 # --- Cache ------------------------------------------------------------------------

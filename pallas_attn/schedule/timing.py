@@ -15,7 +15,7 @@ MAX_CALLS_PER_WINDOW = 200
 
 
 def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
-                   window_ms: float = WINDOW_MS,
+                   window_ms: float = WINDOW_MS, min_calls: int = 1,
                    wait: Callable = jax.block_until_ready) -> float:
   """Median milliseconds per call of `fn()` (a zero-arg callable returning
   arrays), as device throughput.
@@ -25,8 +25,11 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
   costs its device time (launch gaps included, host latency not), as in a
   training loop. The last of `warmup` calls (at least one; compilation
   should happen before, or in, the others) sizes a window to about
-  `window_ms`. Waiting after every call instead adds the host's dispatch
-  and wait to each: 50-70 us on an H200, up to 40% of a 0.2 ms kernel.
+  `window_ms`, and to at least `min_calls` calls. Waiting after every call
+  instead adds the host's dispatch and wait to each: 50-70 us on an H200,
+  up to 40% of a 0.2 ms kernel; a program over several GPUs pays more
+  (about 1 ms for the two-GPU ring), which a window of one long call
+  leaves in.
   (Triton's `do_bench` does that for JAX: its events are recorded on
   PyTorch's stream, which JAX does not run on.) `wait(out)` blocks until
   `out` is computed: pass `lambda _: torch.cuda.synchronize()` to time a
@@ -39,8 +42,8 @@ def median_time_ms(fn: Callable, *, warmup: int = 3, reps: int = 10,
   start = time.perf_counter()
   wait(fn())
   estimate_ms = (time.perf_counter() - start) * 1e3
-  calls = max(1, min(MAX_CALLS_PER_WINDOW,
-                     math.floor(window_ms / max(estimate_ms, 1e-3))))
+  calls = max(1, min_calls, min(MAX_CALLS_PER_WINDOW,
+                                math.floor(window_ms / max(estimate_ms, 1e-3))))
   times = []
   for _ in range(reps):
     start = time.perf_counter()
