@@ -20,9 +20,11 @@ the global batch row and head where the same shard_map also splits those.
 The arrays they close over are read at those global indices (as gathers:
 keep them replicated). Per-position ids that must travel with the keys
 (packed documents) are passed as `segment_ids` instead: the ring passes
-each device's ids along with its keys and values. Steps whose tiles the
-mask all removes (a causal mask's future blocks, a sliding window's blocks
-out of reach) run no kernel (`lax.cond` on the step's block mask).
+each device's ids along with its keys and values. Backward steps whose
+tiles the mask all removes (a causal mask's future blocks, a sliding
+window's blocks out of reach) run no kernel (`lax.cond` on the step's block
+mask); forward steps run theirs, which finds no tile, so that the host is
+not held by the cond's predicate (see `_forward`).
 
 The backward is a second ring with the same steps: each device keeps dq
 (float32), and a block's dk/dv accumulator, in the keys' dtype (each device
@@ -220,18 +222,17 @@ def _merge(kind: str, acc, part):
 def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
   """(output `[B, Sq, Hq, Dv]`, log-sum-exp `[B, Hq, Sq]`) over the ring,
   merged in float32; inputs and results in the ring's layout."""
-  batch, seq_q, heads, _ = q.shape
-  empty = (jnp.zeros((batch, seq_q, heads, v.shape[-1]), q.dtype),
-           jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32))
   kind = ring.analysis.rownorm.kind
   own = [x for x in (k, v, kv_ids) if x is not None]
 
   def attend(step, block, acc):
-    """Step `step`'s (output, row statistic) folded into `acc` (None: alone)."""
-    call, step_consts, block_masks, live = _step(ring, place, step, q, block, q_ids, consts)
-    part = _when(live, lambda: api._attention(q, *block[:2], step_consts, block_masks, None,
-                                              call=call),
-                 lambda: empty)
+    """Step `step`'s (output, row statistic) folded into `acc` (None: alone).
+    An empty step runs its kernel too (its programs find no tile: zeros, lse
+    -inf): a `lax.cond` reads its predicate on the host, which then cannot
+    run ahead of the device (64k forward over two H200s 1-2.5% slower with
+    it, `benchmarks/results/NOTES.md`)."""
+    call, step_consts, block_masks, _ = _step(ring, place, step, q, block, q_ids, consts)
+    part = api._attention(q, *block[:2], step_consts, block_masks, None, call=call)
     return part if acc is None else _merge(kind, acc, part)
 
   def body(step, carry):
