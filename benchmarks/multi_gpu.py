@@ -94,10 +94,12 @@ def _profile(call, devices, calls: int = 3) -> list:
   return [per_device.get(i, {}) for i in range(len(devices))]
 
 
-# Calls per timed window, one GPU and the ring alike: these calls outlast
-# timing.WINDOW_MS, and a window of one call holds its dispatch and wait,
-# about 1 ms for a two-GPU program (a training loop's next step hides it).
-CALLS_PER_WINDOW = 3
+# Timed windows of about a second (at least three calls), one GPU and the
+# ring alike: a window pays its first call's dispatch and its last call's
+# wait once, about 4.5 ms for the two-GPU 64k forward (CUPTI: 14.1 ms a call
+# on the device, back to back, against 15.6 in three-call windows), which a
+# training loop, whose host runs steps ahead, does not pay per call.
+WINDOW_MS, MIN_CALLS_PER_WINDOW = 1000.0, 3
 
 
 def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
@@ -127,7 +129,8 @@ def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
   for mode, fn, args in (("fwd", attention, (q, k, v)), ("fwd_bwd", step, (q, k, v, cotangent))):
     compiled = jax.jit(fn).lower(*args).compile()
     memory = _memory(compiled, lambda: compiled(*args), chosen)
-    ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5, min_calls=CALLS_PER_WINDOW)
+    ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5, window_ms=WINDOW_MS,
+                        min_calls=MIN_CALLS_PER_WINDOW)
     flops = attention_flops(1, heads, seq, seq, d, d, density=(seq + 1) / (2 * seq), mode=mode)
     result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, **memory}
     if profile and mesh is not None:

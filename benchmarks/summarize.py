@@ -12,7 +12,7 @@ comes from results/NOTES.md, one `## <key>` section per table; its `## history`
 (what was tried and superseded) is listed by subject only, to keep SUMMARY.md
 to the current tables (under 200 lines, issue 43). Issue 39's delta-rule table
 reads the newest `delta_rule_kernels.json` (per-kernel times, its own layout);
-issues 41/42's the newest folder's `multi_gpu*.json` (`*_before.json`: the
+issues 41/42's newest `multi_gpu*.json` runs (`*_before.json`: the
 code before).
 """
 from __future__ import annotations
@@ -555,7 +555,7 @@ def fp8_prefill(folders) -> list[str]:
 
 
 def _multi_gpu_docs() -> tuple[list, dict | None]:
-  """(every `multi_gpu*.json` but `*_before.json`, newest folder first, so
+  """(every `multi_gpu*.json` but `*_before.json`, newest run first, so
   that each case's newest run wins; the newest `multi_gpu_before.json` or
   None)."""
   paths = glob.glob(os.path.join(RESULTS, "*_*", "multi_gpu*.json"))
@@ -569,8 +569,8 @@ def _multi_gpu_docs() -> tuple[list, dict | None]:
       doc = json.load(f)
     doc["path"] = os.path.relpath(path, RESULTS)
     (befores if path.endswith("_before.json") else docs).append(doc)
-  # Newest folder first, and within a folder the newest run.
-  newest_first = lambda d: (os.path.dirname(d["path"]), d.get("time", d["date"]))
+  # The newest run first, whatever its folder (hosts of one day share a date).
+  newest_first = lambda d: d.get("time", d["date"])
   docs.sort(key=newest_first, reverse=True)
   befores.sort(key=newest_first, reverse=True)
   return docs, (befores[0] if befores else None)
