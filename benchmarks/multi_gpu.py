@@ -95,10 +95,11 @@ def _profile(call, devices, calls: int = 3) -> list:
 
 
 # Timed windows of about a second (at least three calls), one GPU and the
-# ring alike: a window pays its first call's dispatch and its last call's
-# wait once, about 4.5 ms for the two-GPU 64k forward (CUPTI: 14.1 ms a call
-# on the device, back to back, against 15.6 in three-call windows), which a
-# training loop, whose host runs steps ahead, does not pay per call.
+# ring alike, as the training example times its steps: dozens of calls a
+# window for the shorter rows, so that a window's first dispatch and last
+# wait weigh nothing. (They were not the two-GPU forward's missing time:
+# 64k 15.52 ms a call in three-call windows, 15.75 in one-second ones on
+# another host, against a CUPTI span of 14.1 ms a call over three calls.)
 WINDOW_MS, MIN_CALLS_PER_WINDOW = 1000.0, 3
 
 
