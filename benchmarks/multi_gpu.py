@@ -100,7 +100,7 @@ def _profile(call, devices, calls: int = 3) -> list:
 # wait weigh nothing. (They were not the two-GPU forward's missing time:
 # 64k 15.52 ms a call in three-call windows, 15.75 in one-second ones on
 # another host, against a CUPTI span of 14.1 ms a call over three calls.)
-WINDOW_MS, MIN_CALLS_PER_WINDOW = 1000.0, 3
+RING_WINDOW_MS, RING_MIN_CALLS = 1000.0, 3
 
 
 def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
@@ -130,8 +130,8 @@ def measure_ring(devices: int, seq: int, heads: int, d: int, profile: bool,
   for mode, fn, args in (("fwd", attention, (q, k, v)), ("fwd_bwd", step, (q, k, v, cotangent))):
     compiled = jax.jit(fn).lower(*args).compile()
     memory = _memory(compiled, lambda: compiled(*args), chosen)
-    ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5, window_ms=WINDOW_MS,
-                        min_calls=MIN_CALLS_PER_WINDOW)
+    ms = median_time_ms(lambda: compiled(*args), warmup=2, reps=5, window_ms=RING_WINDOW_MS,
+                        min_calls=RING_MIN_CALLS)
     flops = attention_flops(1, heads, seq, seq, d, d, density=(seq + 1) / (2 * seq), mode=mode)
     result[mode] = {"ms": ms, "tflops": flops / ms / 1e9, **memory}
     if profile and mesh is not None:
