@@ -229,8 +229,8 @@ def _forward(ring: _Ring, place: _Place, q, k, v, q_ids, kv_ids, consts):
     """Step `step`'s (output, row statistic) folded into `acc` (None: alone).
     An empty step runs its kernel too (its programs find no tile: zeros, lse
     -inf): a `lax.cond` reads its predicate on the host, which then cannot
-    run ahead of the device (64k forward over two H200s 1-2.5% slower with
-    it, `benchmarks/results/NOTES.md`)."""
+    run ahead of the device (64k and 128k forward over two H200s 0.5-2.5%
+    slower with it, `benchmarks/results/NOTES.md`)."""
     call, step_consts, block_masks, _ = _step(ring, place, step, q, block, q_ids, consts)
     part = api._attention(q, *block[:2], step_consts, block_masks, None, call=call)
     return part if acc is None else _merge(kind, acc, part)
