@@ -170,9 +170,9 @@ def check_eager_calls(num, interpret):
                                              config=CONFIG, interpret=interpret,
                                              **variants.causal().kwargs())
   out = call()
-  compiled = one_program._run._cache_size()
+  compiled = one_program._run_eager._cache_size()
   again = call()
-  assert one_program._run._cache_size() == compiled, "the second eager call compiled"
+  assert one_program._run_eager._cache_size() == compiled, "the second eager call compiled"
   assert rel_err(again, out) == 0.0
   error = rel_err(out, reference(q, k, v, lengths, **variants.causal().kwargs()))
   assert error <= TOLERANCE[jnp.float32], f"relative error {error}"

@@ -13,12 +13,15 @@
   `sharded_paged_attention` with the mesh axes named (each device decodes
   its shard, the parts merge by log-sum-exp after one all-gather of
   output-sized arrays; sharded_decode.py).
+* `PEER_COPY_OPTIONS`: compiler options for a jit holding the ring, so that
+  its transfers between GPUs of one process take the copy engines.
 """
 from pallas_attn.distributed.context_parallel import context_parallel_attention
 from pallas_attn.distributed.layout import natural_order, zigzag_order
+from pallas_attn.distributed.one_program import PEER_COPY_OPTIONS
 from pallas_attn.distributed.ring import ring_attention
 from pallas_attn.distributed.sharded_decode import (sharded_decode_attention,
                                                     sharded_paged_attention)
 
-__all__ = ["context_parallel_attention", "natural_order", "ring_attention",
+__all__ = ["PEER_COPY_OPTIONS", "context_parallel_attention", "natural_order", "ring_attention",
            "sharded_decode_attention", "sharded_paged_attention", "zigzag_order"]

@@ -19,6 +19,14 @@ import jax
 
 from pallas_attn.spec.analysis import VariantAnalysis, analyze_variant, as_mods, consts_of
 
+# XLA compiler options for a program holding the ring: collective-permutes
+# between GPUs of one process run as peer copies on the copy engines instead
+# of NCCL kernels on the SMs beside the attention kernels (others keep NCCL).
+# Same run, two H200s, 64k causal: forward 15.68 -> 15.31 ms, forward+backward
+# 66.40 -> 65.08 (`benchmarks/results/NOTES.md`). A user's jit takes them as
+# `jax.jit(step, compiler_options=PEER_COPY_OPTIONS)`; eager calls use them.
+PEER_COPY_OPTIONS = {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"}
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Program:
@@ -42,18 +50,26 @@ class _Program:
 def as_one_program(fn, arrays: dict, *, score_mod, mask_mod, rownorm, **options):
   """`fn(**arrays, score_mod=, mask_mod=, rownorm=, **options)` inside one jit:
   `arrays` (arrays, pytrees of them or None) are its operands, `options` and
-  rownorm static (hashable; an unhashable one compiles this call alone)."""
+  rownorm static (hashable; an unhashable one compiles this call alone).
+  Called eagerly, the jit takes `PEER_COPY_OPTIONS` (under an outer jit,
+  only that jit's options count)."""
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   consts = consts_of(analysis)
   program = _Program(fn, analysis, tuple(sorted(dict(options, rownorm=rownorm).items())))
+  staged = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((arrays, consts)))
+  run = _run_staged if staged else _run_eager
   try:
     hash(program)
   except TypeError:
-    return jax.jit(functools.partial(_run.__wrapped__, program=program))(arrays, consts)
-  return _run(arrays, consts, program=program)
+    return jax.jit(functools.partial(_run, program=program),
+                   compiler_options=None if staged else PEER_COPY_OPTIONS)(arrays, consts)
+  return run(arrays, consts, program=program)
 
 
-@functools.partial(jax.jit, static_argnames="program")
 def _run(arrays, consts, *, program: _Program):
   score_mod, mask_mod = as_mods(program.analysis, consts)
   return program.fn(**arrays, score_mod=score_mod, mask_mod=mask_mod, **dict(program.options))
+
+
+_run_staged = jax.jit(_run, static_argnames="program")
+_run_eager = jax.jit(_run, static_argnames="program", compiler_options=PEER_COPY_OPTIONS)
