@@ -6,18 +6,12 @@ context parallelism, decoding on a sequence-sharded cache) run in a
 subprocess over 8 simulated CPU devices. The multi-host example
 (`jax.distributed.initialize`) and the persistent-cache lines are not run.
 """
-import os
 import pathlib
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-import pallas_attn as pa
+from test_distributed import run_check_script
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
@@ -85,20 +79,14 @@ want = pa.decode_attention(q, k_cache, v_cache, kv_lengths,
                            **pa.variants.sliding_window(4096).kwargs())
 {decode}
 np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
-print("ok")
 """
 
 
-def test_sharded_examples_on_eight_cpu_devices():
-  script = _SHARDED.format(
+def test_sharded_examples_on_eight_cpu_devices(tmp_path):
+  script = tmp_path / "readme_sharded.py"
+  script.write_text(_SHARDED.format(
       batch_heads=block_with('("data", "model")'),
       context_parallel=block_with("pa.context_parallel_attention(q, k, v, mesh=mesh"),
-      decode=block_with("pa.decode_attention("))
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(README.parent),
-                                                      os.environ.get("PYTHONPATH")])))
-  result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0 and "ok" in result.stdout, (
-      script + result.stdout[-3000:] + result.stderr[-6000:])
+      decode=block_with("pa.decode_attention(")))
+  run_check_script(script, env_update={
+      "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
