@@ -57,13 +57,12 @@ def as_one_program(fn, arrays: dict, *, score_mod, mask_mod, rownorm, **options)
   consts = consts_of(analysis)
   program = _Program(fn, analysis, tuple(sorted(dict(options, rownorm=rownorm).items())))
   staged = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((arrays, consts)))
-  run = _run_staged if staged else _run_eager
   try:
     hash(program)
   except TypeError:
     return jax.jit(functools.partial(_run, program=program),
                    compiler_options=None if staged else PEER_COPY_OPTIONS)(arrays, consts)
-  return run(arrays, consts, program=program)
+  return (_run_staged if staged else _run_eager)(arrays, consts, program=program)
 
 
 def _run(arrays, consts, *, program: _Program):
