@@ -1,12 +1,16 @@
 """The Mosaic GPU forward template against the float32 reference (compiled on
 Hopper GPUs), and the choice of lowering (everywhere)."""
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import pallas_attn as pa
 from pallas_attn import variants
-from pallas_attn.kernels import lowering, mosaic_backend
+from pallas_attn.kernels import lowering, mosaic_backend, mosaic_forward
+from pallas_attn.schedule import device
 from pallas_attn.spec.analysis import analyze_variant
 from conftest import ON_GPU, assert_close, qkv, random
 from test_computed_index import t5_bucket
@@ -109,6 +113,55 @@ def test_shapes(seq_q, seq_kv, d_qk, d_v, masked):
   assert bool(jnp.all(jnp.isfinite(lse) == finite))
   assert_close(jnp.where(finite, lse, 0.0), jnp.where(finite, ref_lse, 0.0), jnp.bfloat16)
 
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["vanilla", "causal", "window", "documents", "alibi", "sinks",
+                                  "key_bias", "fp8_window"])
+def test_persistent_grid(name, monkeypatch):
+  """One program per SM looping over the (b, h, q block) items, forced on 5 SMs so that
+  programs take 6 or 7 of the 32 items (a count they do not divide; the ring's steps carry
+  from item to item): the same bits as a program per item, output and lse."""
+  seq = 500  # 4 ragged q blocks of 128, B 2, 4 heads over 2 kv heads
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=4)
+  kw = _variant(name.removeprefix("fp8_"), seq, seq)
+  extra = {}
+  if name.startswith("fp8_"):
+    (q, qd), (k, kd), (v, vd) = (pa.quantize_fp8(x) for x in (q, k, v))
+    extra = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+  run = lambda: pa.attention(q, k, v, implementation="mosaic_gpu", return_lse=True, **kw,
+                             **extra)
+  per_item = run()
+  sm_count = dataclasses.replace(device.device_config(), sm_count=5)
+  monkeypatch.setattr(mosaic_forward.device_lib, "device_config", lambda: sm_count)
+  traced = []
+  monkeypatch.setattr(mosaic_forward, "persistent_grid", lambda *args: traced.append(args) or True)
+  jax.clear_caches()
+  persistent = run()
+  assert traced, "the forward was not traced again"
+  for got, want in zip(persistent, per_item):
+    assert bool(jnp.array_equal(got, want, equal_nan=True)), name
+  if not extra:
+    ref = pa.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), **kw)
+    assert_close(persistent[0], ref, jnp.bfloat16)
+
+
+def test_persistent_grid_only_for_short_items():
+  """The per-SM loop where every q block keeps a few kv tiles (windows, short sequences),
+  not for long or unequal ones (vanilla and causal at 4k, causal at 1k)."""
+  def chosen(variant, seq):
+    analysis = analyze_variant(**variant.kwargs())
+    plan = types.SimpleNamespace(analysis=analysis, block_q=128, block_k=128,
+                                 num_kv_blocks=seq // 128)
+    return mosaic_forward.persistent_grid(plan, seq, 4 * 16 * seq // 128, 132)
+  assert chosen(variants.sliding_window(256), 4096)
+  assert chosen(variants.sliding_window(256, causal=False), 16384)
+  assert chosen(variants.Variant("vanilla"), 1024)
+  assert not chosen(variants.Variant("vanilla"), 4096)
+  assert not chosen(variants.causal(), 4096)
+  assert not chosen(variants.causal(), 1024)
+  assert not chosen(variants.sliding_window(2048), 4096)
 
 @pytest.mark.hopper
 @pytest.mark.gpu

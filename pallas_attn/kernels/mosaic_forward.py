@@ -1,7 +1,9 @@
 """The parallel forward template, lowered with Pallas Mosaic GPU (Hopper).
 
 Same template as kernels/parallel_forward.py (one program per q block,
-batch and query head folding kv tiles into the online row state), laid out
+batch and query head folding kv tiles into the online row state; where
+every q block keeps a few kv tiles, one program per SM looping over them,
+`persistent_grid`), laid out
 the way FlashAttention-3 uses a Hopper SM: one producer warpgroup streams
 K/V tiles by TMA into a ring of `num_stages` shared-memory slots, and
 `block_q / 64` consumer warpgroups of 64 query rows each run QK^T and PV
@@ -42,8 +44,10 @@ from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.online import LOG2E
 from pallas_attn.kernels.parallel_forward import ForwardPlan
+from pallas_attn.schedule import device as device_lib
 from pallas_attn.schedule.config import AttentionConfig, next_power_of_2
 from pallas_attn.schedule.template import Template, register, shared_memory_reason
+from pallas_attn.spec.mask_bounds import kept_kv_tiles
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
@@ -89,7 +93,8 @@ class _PVOperands:
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
-            num_q_blocks: int, shared_qo: bool, fp8: bool):
+            num_q_blocks: int, heads: int, batch: int, persistent: bool, shared_qo: bool,
+            fp8: bool):
   n_caps = len(plan.operands)
   cap_refs, rest = refs[:n_caps], refs[n_caps:]
   sink_ref = descale_ref = None
@@ -107,11 +112,27 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
   k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
   schedule = schedule[0] if schedule else None
   bk, rows = plan.block_k, mb.WG_ROWS
-  qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
-  b, h = lax.axis_index("b"), lax.axis_index("h")
   wg = lax.axis_index("wg")
-  visits = _visits(plan, list_refs, b, h, qi)
-  num_visits = visits[0][0] + visits[1][0]
+
+  def work(b, h, q, step, body):
+    """`body(b, h, qi, visits, step) -> step` for one (b, h, q block) item."""
+    qi = num_q_blocks - 1 - q  # heaviest (last) q blocks first
+    return body(b, h, qi, _visits(plan, list_refs, b, h, qi), step)
+
+  def for_each_item(body):
+    """Runs `body` over this program's items, threading the ring's step."""
+    if not persistent:
+      return work(lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q"), 0, body)
+    programs, first = lax.axis_size("sm"), lax.axis_index("sm")
+    items = heads * num_q_blocks * batch
+    count = items // programs + (first < items % programs).astype(jnp.int32)
+
+    def one(n, step):  # items in the per-item grid's launch order: heads fastest
+      item = n * programs + first
+      return work(lax.div(item, heads * num_q_blocks), lax.rem(item, heads),
+                  lax.rem(lax.div(item, heads), num_q_blocks), step, body)
+
+    return lax.fori_loop(0, count, one, jnp.int32(0))
 
   def schedule_barrier():
     if schedule is not None:
@@ -121,155 +142,168 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
   @pl.when(wg == consumers)
   def _producer():
     mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
 
-    def load(step, kv_block, sub, masked, carry):
-      del sub, masked
-      keys = pl.ds(kv_block * bk, bk)
-      v_tile = v_ref.at[b, kv_head, :, keys] if fp8 else v_ref.at[b, keys, kv_head]
-      mb.refill(step, stages, ((k_ref.at[b, keys, kv_head], k_smem, k_ready, k_free),
-                               (v_tile, v_smem, v_ready, v_free)))
-      return carry
+    def produce(b, h, qi, visits, step):
+      del qi
+      kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
 
-    mb.fold_visits(visits, load, None)
+      def load(step, kv_block, sub, masked, carry):
+        del sub, masked
+        keys = pl.ds(kv_block * bk, bk)
+        v_tile = v_ref.at[b, kv_head, :, keys] if fp8 else v_ref.at[b, keys, kv_head]
+        mb.refill(step, stages, ((k_ref.at[b, keys, kv_head], k_smem, k_ready, k_free),
+                                 (v_tile, v_smem, v_ready, v_free)))
+        return carry
+
+      return mb.fold_visits(visits, load, None, step=step)[1]
+
+    for_each_item(produce)
 
   @pl.when(wg < consumers)
   def _consumer():
     mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-    q_start = qi * plan.block_q + wg * rows
-    q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
-    mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
-    tile = dataclasses.replace(plan.tile, fast_math=False,
-                               loader=mb.capture_loader(b, h, "q", q_start, rows)
-                               ).with_program_loads(cap_refs)
-    online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
-    fold = plan.folds_log2 and plan.scale > 0
-    separable = plan.analysis.separable_bias
-    # Softmax of `score + R(q) + C(kv)` is softmax of `score + C(kv)`: a row's
-    # constant cancels. So the tile adds the column part only, in the exp2's
-    # log2 units, and the lse gets the row part back at the end.
-    fold_bias = (separable and sink_ref is None and plan.scale > 0
-                 and plan.online.logits_are_scores())
-    qk_scale = plan.scale * LOG2E if fold or fold_bias else plan.scale
-    if fp8:  # the real scores: the e4m3 product times q's and k's descales
-      qk_scale = qk_scale * descale_ref[b, h, 0]
-    pv = _PVOperands(v_ref.dtype, v_smem, p_smem.at[wg] if fp8 else None)
-    if separable:  # the bias's part along the rows, once (spec/separable.py)
-      bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
-    affine = fold_bias and plan.analysis.affine_columns
-    if affine:  # and along the columns, once, plus a number per tile
-      columns0, origin, column_shift = mb.affine_separable_columns(
-          tile, b, h, cap_refs, q_start, bk)
-      columns0 = columns0 * LOG2E  # held as a vector (a tile would hold 64 registers)
-      bias_rows = bias_rows + origin
-    sink2 = None if sink_ref is None else sink_ref[h]
-    d_v = o_tile.shape[-1]
-    row_state = tuple(online.init(rows, d_v, sink2)[1:])
-    mb.plgpu.barrier_wait(q_ready.at[wg])
 
-    def weigh(s, kv_block, masked: bool, row_state):
-      """One tile's scores -> (float32 weights, the accumulator's per-row
-      factor or None, the new row state)."""
-      kv_start = kv_block * bk
-      # Index tiles are built per step, not held across the loop (64 registers each).
-      q_idx = mb.tile_indices(q_start, (rows, bk), 0)
-      kv_idx = mb.tile_indices(kv_start, (rows, bk), 1)
-      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-      state = (None,) + row_state  # the accumulator stays in its wgmma registers
-      if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
-        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
-                                            logit_scale=qk_scale)
-      elif affine:  # as fold_bias, the columns from a vector made once and a number per tile
-        logits = s * qk_scale + lax.broadcast_in_dim(columns0, (rows, bk), (1,))
-        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits,
-                                            logit_shift=column_shift(kv_start) * LOG2E)
-      elif fold_bias:  # one multiply-add per score, and the exp2's subtraction
-        columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, bk)
-        logits = s * qk_scale + lax.broadcast_in_dim(columns * LOG2E, (rows, bk), (1,))
-        w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits)
+    def consume(b, h, qi, visits, step0):
+      num_visits = visits[0][0] + visits[1][0]
+      q_start = qi * plan.block_q + wg * rows
+      q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
+      mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
+      tile = dataclasses.replace(plan.tile, fast_math=False,
+                                 loader=mb.capture_loader(b, h, "q", q_start, rows)
+                                 ).with_program_loads(cap_refs)
+      online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)
+      fold = plan.folds_log2 and plan.scale > 0
+      separable = plan.analysis.separable_bias
+      # Softmax of `score + R(q) + C(kv)` is softmax of `score + C(kv)`: a row's
+      # constant cancels. So the tile adds the column part only, in the exp2's
+      # log2 units, and the lse gets the row part back at the end.
+      fold_bias = (separable and sink_ref is None and plan.scale > 0
+                   and plan.online.logits_are_scores())
+      qk_scale = plan.scale * LOG2E if fold or fold_bias else plan.scale
+      if fp8:  # the real scores: the e4m3 product times q's and k's descales
+        qk_scale = qk_scale * descale_ref[b, h, 0]
+      pv = _PVOperands(v_ref.dtype, v_smem, p_smem.at[wg] if fp8 else None)
+      if separable:  # the bias's part along the rows, once (spec/separable.py)
+        bias_rows = mb.separable_rows(tile, b, h, cap_refs, "q", q_start, rows)
+      affine = fold_bias and plan.analysis.affine_columns
+      if affine:  # and along the columns, once, plus a number per tile
+        columns0, origin, column_shift = mb.affine_separable_columns(
+            tile, b, h, cap_refs, q_start, bk)
+        columns0 = columns0 * LOG2E  # held as a vector (a tile would hold 64 registers)
+        bias_rows = bias_rows + origin
+      sink2 = None if sink_ref is None else sink_ref[h]
+      d_v = o_tile.shape[-1]
+      row_state = tuple(online.init(rows, d_v, sink2)[1:])
+      mb.plgpu.barrier_wait(q_ready.at[wg])
+
+      def weigh(s, kv_block, masked: bool, row_state):
+        """One tile's scores -> (float32 weights, the accumulator's per-row
+        factor or None, the new row state)."""
+        kv_start = kv_block * bk
+        # Index tiles are built per step, not held across the loop (64 registers each).
+        q_idx = mb.tile_indices(q_start, (rows, bk), 0)
+        kv_idx = mb.tile_indices(kv_start, (rows, bk), 1)
+        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+        state = (None,) + row_state  # the accumulator stays in its wgmma registers
+        if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
+          w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
+                                              logit_scale=qk_scale)
+        elif affine:  # as fold_bias, the columns from a vector made once and a number per tile
+          logits = s * qk_scale + lax.broadcast_in_dim(columns0, (rows, bk), (1,))
+          w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits,
+                                              logit_shift=column_shift(kv_start) * LOG2E)
+        elif fold_bias:  # one multiply-add per score, and the exp2's subtraction
+          columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, bk)
+          logits = s * qk_scale + lax.broadcast_in_dim(columns * LOG2E, (rows, bk), (1,))
+          w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits)
+        else:
+          scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
+                                           bk) if separable else tile)
+          s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
+          w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx)
+        return w, acc_factor, state[1:]
+
+      def fold_block(step, kv_block, sub, masked: bool, state):
+        del sub  # one sub-step per visit
+        slot = lax.rem(step, stages)
+
+        def qk(acc_ref):
+          mb.plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+          schedule_barrier()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk, mb.plgpu.ACC((rows, bk), jnp.float32))
+        mb.plgpu.barrier_arrive(k_free.at[slot])
+        w, acc_factor, row_state = weigh(s, kv_block, masked, tuple(state[1:]))
+        held = pv.store(pv.cast(w))
+        acc = online.rescale(state[0], acc_factor)
+        if schedule is not None:
+          mb.plgpu.barrier_arrive(schedule)
+        mb.plgpu.barrier_wait(v_ready.at[slot])
+        if schedule is not None:
+          mb.plgpu.barrier_wait(schedule)
+
+        def product(acc_ref):
+          mb.plgpu.wgmma(acc_ref, pv.weights(held), pv.values(slot))
+          nxt = step + 1
+
+          @pl.when(nxt < step0 + num_visits)
+          def _():
+            mb.plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+        acc = pl.run_state(product)(mb.plgpu.ACC.init(acc))
+        mb.plgpu.barrier_arrive(v_free.at[slot])
+        return (acc,) + row_state
+
+      # The unmasked visits overlap each tile's softmax with the previous
+      # tile's PV (_overlapped_loop); masked tiles, which need more registers,
+      # and 16-bit 256-key tiles (a score tile and the weights held for the PV
+      # overflow the registers: d 64 ran 462 -> 338 TFLOP/s on an H200; fp8's
+      # weights wait in shared memory) take one step at a time (fold_block).
+      full_num, full_at = visits[0]
+      if (bk <= 128 or fp8) and not (isinstance(full_num, int) and full_num == 0):
+        acc, row_state = _overlapped_loop(
+            full_num, full_at, weigh, online.rescale, row_state, q_tile=q_tile, k_smem=k_smem,
+            pv=pv, barriers=(k_ready, v_ready, k_free, v_free), stages=stages, block_k=bk,
+            d_v=d_v, may_be_empty=plan.block_sparse, first_step=step0)
+        skip = full_num
       else:
-        scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
-                                         bk) if separable else tile)
-        s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-        w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx)
-      return w, acc_factor, state[1:]
-
-    def fold_block(step, kv_block, sub, masked: bool, state):
-      del sub  # one sub-step per visit
-      slot = lax.rem(step, stages)
-
-      def qk(acc_ref):
-        mb.plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
-        schedule_barrier()
-        return acc_ref[...]
-
-      s = pl.run_scoped(qk, mb.plgpu.ACC((rows, bk), jnp.float32))
-      mb.plgpu.barrier_arrive(k_free.at[slot])
-      w, acc_factor, row_state = weigh(s, kv_block, masked, tuple(state[1:]))
-      held = pv.store(pv.cast(w))
-      acc = online.rescale(state[0], acc_factor)
+        acc, skip = online.rows.zeros_tile(rows, d_v), 0
+      # fold_block's consumers pass a shared barrier twice per step, the second
+      # one phase behind: one's softmax runs while the other's products do.
       if schedule is not None:
-        mb.plgpu.barrier_arrive(schedule)
-      mb.plgpu.barrier_wait(v_ready.at[slot])
+        pl.when(wg == 1)(schedule_barrier)
+
+      @pl.when(num_visits > skip)
+      def _():
+        mb.plgpu.barrier_wait(k_ready.at[lax.rem(step0 + skip, stages)])
+
+      state, _ = mb.fold_visits(visits, fold_block, (acc,) + row_state, step=step0, skip=skip)
       if schedule is not None:
-        mb.plgpu.barrier_wait(schedule)
+        pl.when(wg == 0)(schedule_barrier)
+      out, lse = online.finalize(state)
+      if fold_bias:
+        lse = lse + bias_rows
+      if fp8:  # v's descale
+        out = out * descale_ref[b, h, 1]
+      o_tile[...] = out.astype(o_tile.dtype)
+      lse_tile[...] = lse
+      mb.plgpu.commit_smem()
+      mb.plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, pl.ds(q_start, rows), h])
+      mb.plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, pl.ds(q_start, rows)])
+      # Only the stores' reads of shared memory hold the program (the writes land by the
+      # kernel's end; the next item's q load may then take the tile): a window of 256 keys
+      # leaves a program three tiles, and its forward ran 0.1479 -> 0.1461 ms at 4k on an
+      # H200 (`ab_epilogue_read_only_windows.json`).
+      mb.plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return step0 + num_visits
 
-      def product(acc_ref):
-        mb.plgpu.wgmma(acc_ref, pv.weights(held), pv.values(slot))
-        nxt = step + 1
-
-        @pl.when(nxt < num_visits)
-        def _():
-          mb.plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
-
-      acc = pl.run_state(product)(mb.plgpu.ACC.init(acc))
-      mb.plgpu.barrier_arrive(v_free.at[slot])
-      return (acc,) + row_state
-
-    # The unmasked visits overlap each tile's softmax with the previous
-    # tile's PV (_overlapped_loop); masked tiles, which need more registers,
-    # and 16-bit 256-key tiles (a score tile and the weights held for the PV
-    # overflow the registers: d 64 ran 462 -> 338 TFLOP/s on an H200; fp8's
-    # weights wait in shared memory) take one step at a time (fold_block).
-    full_num, full_at = visits[0]
-    if (bk <= 128 or fp8) and not (isinstance(full_num, int) and full_num == 0):
-      acc, row_state = _overlapped_loop(
-          full_num, full_at, weigh, online.rescale, row_state, q_tile=q_tile, k_smem=k_smem,
-          pv=pv, barriers=(k_ready, v_ready, k_free, v_free), stages=stages, block_k=bk,
-          d_v=d_v, may_be_empty=plan.block_sparse)
-      skip = full_num
-    else:
-      acc, skip = online.rows.zeros_tile(rows, d_v), 0
-    # fold_block's consumers pass a shared barrier twice per step, the second
-    # one phase behind: one's softmax runs while the other's products do.
-    if schedule is not None:
-      pl.when(wg == 1)(schedule_barrier)
-
-    @pl.when(num_visits > skip)
-    def _():
-      mb.plgpu.barrier_wait(k_ready.at[lax.rem(skip, stages)])
-
-    state, _ = mb.fold_visits(visits, fold_block, (acc,) + row_state, skip=skip)
-    if schedule is not None:
-      pl.when(wg == 0)(schedule_barrier)
-    out, lse = online.finalize(state)
-    if fold_bias:
-      lse = lse + bias_rows
-    if fp8:  # v's descale
-      out = out * descale_ref[b, h, 1]
-    o_tile[...] = out.astype(o_tile.dtype)
-    lse_tile[...] = lse
-    mb.plgpu.commit_smem()
-    mb.plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, pl.ds(q_start, rows), h])
-    mb.plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, pl.ds(q_start, rows)])
-    # Only the stores' reads of shared memory hold the program (the writes land by the
-    # kernel's end): a window of 256 keys leaves a program three tiles, and its forward
-    # ran 0.1479 -> 0.1461 ms at 4k on an H200 (`ab_epilogue_read_only_windows.json`).
-    mb.plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for_each_item(consume)
 
 
 def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_smem, pv,
-                     barriers, stages: int, block_k: int, d_v: int, may_be_empty: bool):
+                     barriers, stages: int, block_k: int, d_v: int, may_be_empty: bool,
+                     first_step=0):
   """A consumer's walk over its first `count` kv visits (blocks
   `block_at(j)`, unmasked) with FlashAttention-3's intra-warpgroup overlap:
   step j issues QK^T of tile j and, behind it, tile j-1's PV, then weighs
@@ -280,8 +314,8 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   other's issue before its own, made the loop 4-5% slower: Nsight Compute's
   locked-clock kernel time on an H200, vanilla 4k 1.075 -> 1.030 ms, 16k
   4.03 -> 3.84 ms without it; fp8's loop too, 0.685 -> 0.747 ms at vanilla
-  4k with 256-key tiles, `benchmarks/results/NOTES.md`). Returns
-  (accumulator, row state).
+  4k with 256-key tiles, `benchmarks/results/NOTES.md`). Ring slots count
+  from `first_step`. Returns (accumulator, row state).
 
   The walk is one branch of a cond when it may be empty: a cond around the
   first step or the last PV alone makes ptxas serialize every wgmma of the
@@ -302,13 +336,13 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
     return s
 
   def walk(o_ref):
-    mb.plgpu.barrier_wait(k_ready.at[0])
-    w, _, state = weigh(scores(0, None), block_at(0), False, row_state)
+    mb.plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
+    w, _, state = weigh(scores(lax.rem(first_step, stages), None), block_at(0), False, row_state)
     held = pv.store(pv.cast(w))
 
     def step(j, carry):
       held, state = carry
-      slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+      slot, prev = lax.rem(first_step + j, stages), lax.rem(first_step + j - 1, stages)
       mb.plgpu.barrier_wait(k_ready.at[slot])
       mb.plgpu.barrier_wait(v_ready.at[prev])
       s = scores(slot, (o_ref, pv.weights(held), prev))
@@ -322,7 +356,7 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
       return held, state
 
     held, state = lax.fori_loop(1, count, step, (held, state))
-    last = lax.rem(count - 1, stages)
+    last = lax.rem(first_step + count - 1, stages)
     mb.plgpu.barrier_wait(v_ready.at[last])
     mb.plgpu.wgmma(o_ref, pv.weights(held), pv.values(last))
     acc = o_ref[...]
@@ -333,6 +367,38 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   if not may_be_empty:
     return run()
   return lax.cond(count > 0, run, lambda: (mb.ROWS.zeros_tile(rows, d_v), row_state))
+
+
+SHORT_ITEM_TILES = 8
+
+
+def persistent_grid(plan: ForwardPlan, seq_q: int, items: int, sm_count: int | None) -> bool:
+  """Whether the forward runs one program per SM, each looping over every
+  SM-th (b, h, q block) item, instead of one program per item: where every
+  item is a few kv tiles, at most SHORT_ITEM_TILES in the middle q block
+  and no more in the last (by mask_mod's tile bounds: sliding windows,
+  short sequences). There a program's fixed costs (its launch, the q load,
+  the output store) weigh, and the producer streams the next item's K/V
+  while the consumers store: causal window 256, B4 H16 S4096 on an H200,
+  0.146 -> 0.129 ms (cuDNN 0.137), window 1024 (9 tiles) 0.256 either way.
+  Long items keep a program each: launched in order as SMs free up, the
+  running programs stay on neighbouring q blocks, sharing their heads' K/V
+  in L2, and take causal's heaviest blocks first; the static loop ran
+  vanilla 16k 3.22 -> 3.50 ms and causal 16k 1.55 -> 1.82
+  (`benchmarks/results/NOTES.md`)."""
+  if not sm_count or items <= sm_count:
+    return False
+
+  def tiles(q_block):
+    if plan.analysis.mask_mod is None:
+      return plan.num_kv_blocks
+    start = q_block * plan.block_q
+    return kept_kv_tiles(plan.analysis, (start, start + plan.block_q - 1), plan.block_k,
+                         plan.num_kv_blocks)
+
+  num_q_blocks = seq_q // plan.block_q
+  middle = tiles(num_q_blocks // 2)
+  return middle <= SHORT_ITEM_TILES and tiles(num_q_blocks - 1) <= middle
 
 
 def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
@@ -422,9 +488,17 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
     scratch.append(mb.plgpu.Barrier(num_arrivals=consumers))  # fold_block's ping-pong
   sink_inputs = () if sinks is None else (sinks.astype(jnp.float32) * LOG2E,)
   descale_inputs = (descales,) if fp8 else ()
+  items = heads * num_q_blocks * batch
+  sm_count = device_lib.device_config().sm_count
+  persistent = persistent_grid(plan, seq_q_pad, items, sm_count)
+  if persistent:
+    grid, grid_names = (sm_count,), ("sm",)
+  else:
+    grid, grid_names = (heads, num_q_blocks, batch), ("h", "q", "b")
   kernel = mb.kernel(
       functools.partial(_kernel, plan=plan, consumers=consumers, stages=stages,
-                        num_q_blocks=num_q_blocks, shared_qo=shared_qo, fp8=fp8),
+                        num_q_blocks=num_q_blocks, heads=heads, batch=batch,
+                        persistent=persistent, shared_qo=shared_qo, fp8=fp8),
       name="pallas_attn_mosaic_forward",
       out_type=[jax.ShapeDtypeStruct((batch, seq_q_pad, heads, d_v), out_dtype),
                 jax.ShapeDtypeStruct((batch, heads, seq_q_pad), jnp.float32)],
@@ -432,8 +506,8 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
       # Heads vary fastest: programs running together share a q block and
       # differ in head (as JAX's Mosaic kernel orders them). Same-run A/B on
       # an H200: +9% forward over q-fastest, vanilla and causal, 4k and 16k.
-      grid=(heads, num_q_blocks, batch),
-      grid_names=("h", "q", "b"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=mb.compiler_params(plan.fast_math),
