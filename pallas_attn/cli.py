@@ -252,6 +252,10 @@ def cmd_explain(args) -> int:
   for template in args.templates or running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)
     print(f"{template}: {format_config(config)}  [{source}]")
+    if template == "forward_mosaic":
+      from pallas_attn.kernels import mosaic_forward
+      print("  " + mosaic_forward.describe_grid(analysis, config, shape.batch, shape.heads_q,
+                                                shape.seq_q, shape.seq_kv, device.sm_count))
     if template != "decode" and analysis.score_mod is not None and analysis.score_mod.terms:
       print("  " + _describe_terms(template, analysis, shape, config))
     reason = template_lib.get(template).prune_reason(config, shape, device)

@@ -1,7 +1,6 @@
 """The Mosaic GPU forward template against the float32 reference (compiled on
 Hopper GPUs), and the choice of lowering (everywhere)."""
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -152,9 +151,7 @@ def test_persistent_grid_only_for_short_items():
   not for long or unequal ones (vanilla and causal at 4k, causal at 1k)."""
   def chosen(variant, seq):
     analysis = analyze_variant(**variant.kwargs())
-    plan = types.SimpleNamespace(analysis=analysis, block_q=128, block_k=128,
-                                 num_kv_blocks=seq // 128)
-    return mosaic_forward.persistent_grid(plan, seq, 4 * 16 * seq // 128, 132)
+    return mosaic_forward.persistent_grid(analysis, 128, 128, seq, seq, 4 * 16 * seq // 128, 132)
   assert chosen(variants.sliding_window(256), 4096)
   assert chosen(variants.sliding_window(256, causal=False), 16384)
   assert chosen(variants.Variant("vanilla"), 1024)
@@ -162,6 +159,12 @@ def test_persistent_grid_only_for_short_items():
   assert not chosen(variants.causal(), 4096)
   assert not chosen(variants.causal(), 1024)
   assert not chosen(variants.sliding_window(2048), 4096)
+  config = lowering.heuristic_mosaic_config(4096, 4096, 128, 128, block_sparse=True)
+  window = analyze_variant(**variants.sliding_window(256).kwargs())
+  assert mosaic_forward.describe_grid(window, config, 4, 16, 4096, 4096, 132).startswith(
+      "grid: one program per SM (132) looping over 2048")
+  assert mosaic_forward.describe_grid(window, config, 4, 16, 4096, 4096, None) == (
+      "grid: one program per (b, h, q block) item (2048)")
 
 @pytest.mark.hopper
 @pytest.mark.gpu

@@ -372,7 +372,8 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
 SHORT_ITEM_TILES = 8
 
 
-def persistent_grid(plan: ForwardPlan, seq_q: int, items: int, sm_count: int | None) -> bool:
+def persistent_grid(analysis, block_q: int, block_k: int, seq_q: int, seq_kv: int, items: int,
+                    sm_count: int | None) -> bool:
   """Whether the forward runs one program per SM, each looping over every
   SM-th (b, h, q block) item, instead of one program per item: where every
   item is a few kv tiles, at most SHORT_ITEM_TILES in the middle q block
@@ -388,17 +389,27 @@ def persistent_grid(plan: ForwardPlan, seq_q: int, items: int, sm_count: int | N
   (`benchmarks/results/NOTES.md`)."""
   if not sm_count or items <= sm_count:
     return False
+  num_kv_blocks = -(-seq_kv // block_k)
 
   def tiles(q_block):
-    if plan.analysis.mask_mod is None:
-      return plan.num_kv_blocks
-    start = q_block * plan.block_q
-    return kept_kv_tiles(plan.analysis, (start, start + plan.block_q - 1), plan.block_k,
-                         plan.num_kv_blocks)
+    if analysis.mask_mod is None:
+      return num_kv_blocks
+    start = q_block * block_q
+    return kept_kv_tiles(analysis, (start, start + block_q - 1), block_k, num_kv_blocks)
 
-  num_q_blocks = seq_q // plan.block_q
+  num_q_blocks = -(-seq_q // block_q)
   middle = tiles(num_q_blocks // 2)
   return middle <= SHORT_ITEM_TILES and tiles(num_q_blocks - 1) <= middle
+
+
+def describe_grid(analysis, config: AttentionConfig, batch: int, heads: int, seq_q: int,
+                  seq_kv: int, sm_count: int | None) -> str:
+  """The forward's grid at a shape, for `pallas-attn explain`."""
+  items = batch * heads * -(-seq_q // config.block_q)
+  if persistent_grid(analysis, config.block_q, config.block_k, seq_q, seq_kv, items, sm_count):
+    return (f"grid: one program per SM ({sm_count}) looping over {items} (b, h, q block) items "
+            f"(every q block keeps at most {SHORT_ITEM_TILES} kv tiles)")
+  return f"grid: one program per (b, h, q block) item ({items})"
 
 
 def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
@@ -490,7 +501,8 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   descale_inputs = (descales,) if fp8 else ()
   items = heads * num_q_blocks * batch
   sm_count = device_lib.device_config().sm_count
-  persistent = persistent_grid(plan, seq_q_pad, items, sm_count)
+  persistent = persistent_grid(plan.analysis, plan.block_q, plan.block_k, seq_q_pad, plan.seq_kv,
+                               items, sm_count)
   if persistent:
     grid, grid_names = (sm_count,), ("sm",)
   else:
