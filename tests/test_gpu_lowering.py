@@ -1,0 +1,139 @@
+"""Every GPU kernel lowered for CUDA on any machine: `jax.export` with
+platforms=["cuda"] runs Pallas' Mosaic GPU lowering (layout inference
+included) and its Triton lowering (to Triton IR) without a GPU, so CI
+catches a kernel that no longer lowers (a layout, a shape, an op a backend
+lacks) for the Mosaic GPU kernels, which interpret mode cannot run at all,
+and for the Triton kernels on the compiled path's shapes and parameters.
+What lowering does not reach (ptxas, Triton's compiler, the results, the
+speed) stays with the compiled `gpu` / `hopper` tests."""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_attn as pa
+from pallas_attn import variants
+from pallas_attn.kernels import mosaic_backend, mosaic_forward
+
+pytestmark = pytest.mark.skipif(mosaic_backend.plgpu is None,
+                                reason="jax.experimental.pallas.mosaic_gpu does not import")
+
+B, S, HQ, HKV = 2, 300, 4, 2
+# Triton kernels lower to an XLA custom call that jax.export does not promise to keep
+# loadable across versions; only lowering is asked of it here.
+_TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+
+
+def _lowered(fn, *shapes) -> str:
+  """The StableHLO text of `fn` lowered for CUDA."""
+  exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[_TRITON])
+  return exported(*shapes).mlir_module()
+
+
+def _kernels(text: str) -> set[str]:
+  """The Mosaic GPU kernels in a lowering, by name."""
+  return set(re.findall(r"emit_c_interface\\00(\w+?)_mosaic_gpu\\00", text))
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+  """Mosaic GPU taken to be available (the lowering needs no GPU)."""
+  monkeypatch.setattr(mosaic_backend, "unavailable", functools.cache(lambda: None))
+
+
+def _shapes(dtype=jnp.bfloat16, d=128):
+  return (jax.ShapeDtypeStruct((B, S, HQ, d), dtype), jax.ShapeDtypeStruct((B, S, HKV, d), dtype),
+          jax.ShapeDtypeStruct((B, S, HKV, d), dtype))
+
+
+def _gradients(implementation, kwargs):
+  def loss(q, k, v):
+    return pa.attention(q, k, v, implementation=implementation, interpret=False,
+                        **kwargs).astype(jnp.float32).sum()
+  return jax.grad(loss, (0, 1, 2))
+
+
+VARIANTS = {
+    "vanilla": variants.Variant("vanilla"),
+    "causal": variants.causal(),
+    "window": variants.sliding_window(96),
+    "alibi_causal": variants.alibi(num_heads=HQ) + variants.causal(),
+    "softcap": variants.softcap(30.0),
+    "sinks": variants.sink(jnp.zeros((HQ,))),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_mosaic_forward_and_backward_lower(name, on_hopper):
+  text = _lowered(_gradients("mosaic_gpu", VARIANTS[name].kwargs()), *_shapes())
+  assert _kernels(text) == {"pallas_attn_mosaic_forward", "pallas_attn_mosaic_dq",
+                            "pallas_attn_mosaic_dkv"}
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi_causal"])
+def test_triton_forward_and_backward_lower(name):
+  text = _lowered(_gradients("triton", VARIANTS[name].kwargs()), *_shapes(d=64))
+  assert "xla.gpu.triton" in text and not _kernels(text)
+
+
+def test_persistent_grid_lowers(on_hopper, monkeypatch):
+  """The forward's per-SM loop over items (sliding windows at scale), forced on this small call."""
+  monkeypatch.setattr(mosaic_forward, "persistent_grid", lambda *args: True)
+  monkeypatch.setattr(mosaic_forward.device_lib, "device_config",
+                      lambda: type("Device", (), {"sm_count": 5})())
+  kwargs = variants.sliding_window(96).kwargs()
+  text = _lowered(lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu",
+                                               interpret=False, **kwargs), *_shapes())
+  assert _kernels(text) == {"pallas_attn_mosaic_forward"}
+
+
+def test_fp8_prefill_lowers(on_hopper):
+  """e4m3 inputs on fp8 wgmma: V goes in transposed, still e4m3 (not dequantized first)."""
+  q, k, v = _shapes(jnp.float8_e4m3fn)
+  q_scale = jax.ShapeDtypeStruct((B, HQ), jnp.float32)
+  kv_scale = jax.ShapeDtypeStruct((B, HKV), jnp.float32)
+  kwargs = variants.causal().kwargs()
+  fn = lambda q, k, v, qd, kd, vd: pa.attention(q, k, v, q_descale=qd, k_descale=kd,
+                                                v_descale=vd, interpret=False, **kwargs)
+  text = _lowered(fn, q, k, v, q_scale, kv_scale, kv_scale)
+  assert _kernels(text) == {"pallas_attn_mosaic_forward"}
+  assert f"tensor<{B}x{HKV}x128x384xf8E4M3FN>" in text  # [B, Hkv, D, S padded]
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_decode_lowers(cache):
+  """Split-KV decoding (Triton) from a contiguous and a paged cache."""
+  dtype = jnp.bfloat16 if cache == "bf16" else jnp.float8_e4m3fn
+  q = jax.ShapeDtypeStruct((B, 1, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, 4096, 8, 128), dtype)
+  pages = jax.ShapeDtypeStruct((B * 256 + 3, 16, 8, 128), dtype)
+  table = jax.ShapeDtypeStruct((B, 256), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
+  scales = (jax.ShapeDtypeStruct((B, 8), jnp.float32),) * 2 if cache == "fp8" else ()
+
+  def descaled(fn):
+    return lambda *args: fn(*args[:-2], k_descale=args[-2], v_descale=args[-1]) if scales else fn
+  contiguous = lambda q, k, v, n, *s: pa.decode_attention(
+      q, k, v, n, interpret=False, **dict(zip(("k_descale", "v_descale"), s)))
+  paged = lambda q, k, v, t, n, *s: pa.paged_attention(
+      q, k, v, t, n, interpret=False, **dict(zip(("k_descale", "v_descale"), s)))
+  assert "xla.gpu.triton" in _lowered(contiguous, q, k, k, lengths, *scales)
+  assert "xla.gpu.triton" in _lowered(paged, q, pages, pages, table, lengths, *scales)
+
+
+def test_linear_attention_lowers(on_hopper):
+  """The chunked-recurrent pattern's Mosaic GPU kernels (scalar decay: forward and backward;
+  the gated delta rule: the forward, its gradient runs Triton's passes) and Triton's."""
+  x = jax.ShapeDtypeStruct((B, 256, HQ, 128), jnp.bfloat16)
+  gate = jax.ShapeDtypeStruct((B, 256, HQ), jnp.float32)
+
+  def attend(q, k, v, log_decay, beta=None):
+    return pa.linear_attention(q, k, v, log_decay=log_decay, beta=beta, interpret=False,
+                               implementation="mosaic_gpu")
+  loss = lambda *args: attend(*args).astype(jnp.float32).sum()
+  text = _lowered(jax.grad(loss, (0, 1, 2)), x, x, x, gate)
+  assert _kernels(text) == {"linear_attention_mosaic_fwd", "linear_attention_mosaic_bwd"}
+  assert "xla.gpu.triton" in text
+  assert _kernels(_lowered(attend, x, x, x, gate, gate)) == {"linear_attention_mosaic_fwd"}
