@@ -1,6 +1,7 @@
 """Every GPU kernel lowered for CUDA on any machine: `jax.export` with
-platforms=["cuda"] runs Pallas' Mosaic GPU lowering (layout inference
-included) and its Triton lowering (to Triton IR) without a GPU, so CI
+platforms=["cuda"] runs Pallas' Mosaic GPU lowering (register layouts,
+shapes, the ops it supports) and its Triton lowering (to Triton IR)
+without a GPU, so CI
 catches a kernel that no longer lowers (a layout, a shape, an op a backend
 lacks) for the Mosaic GPU kernels, which interpret mode cannot run at all,
 and for the Triton kernels on the compiled path's shapes and parameters.
