@@ -7,6 +7,7 @@ lacks) for the Mosaic GPU kernels, which interpret mode cannot run at all,
 and for the Triton kernels on the compiled path's shapes and parameters.
 What lowering does not reach (ptxas, Triton's compiler, the results, the
 speed) stays with the compiled `gpu` / `hopper` tests."""
+import dataclasses
 import functools
 import re
 
@@ -17,6 +18,7 @@ import pytest
 import pallas_attn as pa
 from pallas_attn import variants
 from pallas_attn.kernels import mosaic_backend, mosaic_forward
+from pallas_attn.schedule import device
 
 pytestmark = pytest.mark.skipif(mosaic_backend.plgpu is None,
                                 reason="jax.experimental.pallas.mosaic_gpu does not import")
@@ -82,8 +84,8 @@ def test_triton_forward_and_backward_lower(name):
 def test_persistent_grid_lowers(on_hopper, monkeypatch):
   """The forward's per-SM loop over items (sliding windows at scale), forced on this small call."""
   monkeypatch.setattr(mosaic_forward, "persistent_grid", lambda *args: True)
-  monkeypatch.setattr(mosaic_forward.device_lib, "device_config",
-                      lambda: type("Device", (), {"sm_count": 5})())
+  five_sms = dataclasses.replace(device.device_config(), sm_count=5)
+  monkeypatch.setattr(mosaic_forward.device_lib, "device_config", lambda: five_sms)
   kwargs = variants.sliding_window(96).kwargs()
   text = _lowered(lambda q, k, v: pa.attention(q, k, v, implementation="mosaic_gpu",
                                                interpret=False, **kwargs), *_shapes())
@@ -114,8 +116,6 @@ def test_decode_lowers(cache):
   lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
   scales = (jax.ShapeDtypeStruct((B, 8), jnp.float32),) * 2 if cache == "fp8" else ()
 
-  def descaled(fn):
-    return lambda *args: fn(*args[:-2], k_descale=args[-2], v_descale=args[-1]) if scales else fn
   contiguous = lambda q, k, v, n, *s: pa.decode_attention(
       q, k, v, n, interpret=False, **dict(zip(("k_descale", "v_descale"), s)))
   paged = lambda q, k, v, t, n, *s: pa.paged_attention(

@@ -119,8 +119,8 @@ def test_shapes(seq_q, seq_kv, d_qk, d_v, masked):
                                   "key_bias", "fp8_window"])
 def test_persistent_grid(name, monkeypatch):
   """One program per SM looping over the (b, h, q block) items, forced on 5 SMs so that
-  programs take 6 or 7 of the 32 items (a count they do not divide; the ring's steps carry
-  from item to item): the same bits as a program per item, output and lse."""
+  programs take 6 or 7 of the 32 items (a count they do not divide; the K/V ring's steps
+  carry from item to item): the same bits as a program per item, output and lse."""
   seq = 500  # 4 ragged q blocks of 128, B 2, 4 heads over 2 kv heads
   q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
                 dtype=jnp.bfloat16, seed=4)
@@ -165,6 +165,7 @@ def test_persistent_grid_only_for_short_items():
       "grid: one program per SM (132) looping over 2048")
   assert mosaic_forward.describe_grid(window, config, 4, 16, 4096, 4096, None) == (
       "grid: one program per (b, h, q block) item (2048)")
+
 
 @pytest.mark.hopper
 @pytest.mark.gpu
