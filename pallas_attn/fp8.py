@@ -60,7 +60,7 @@ def prefill_note(why: str | None) -> str:
   """What an fp8 prefill runs (`pallas-attn explain`), from `tensor_core_obstacle`."""
   if why is None:
     return ("fp8 q / k / v: both products on fp8 wgmma (e4m3 weights through shared memory, "
-            "V transposed by one XLA pass; 256-key tiles without a mask_mod, the forward's "
+            "V transposed by one pass; 256-key tiles without a mask_mod, the forward's "
             "tiles below otherwise), descales folded into the score scale and the output; "
             "bfloat16 output")
   return (f"fp8 q / k / v: dequantized to bfloat16 before the kernels ({why}; q's and k's "

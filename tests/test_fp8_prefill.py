@@ -170,3 +170,17 @@ def test_fp8_tiles_and_their_obstacles():
       (AttentionConfig(block_q=128, block_k=256, num_warps=12, num_stages=3), (128, 128),
        "KiB of shared memory")):
     assert says in mosaic_forward.fp8_obstacle(config, *dims)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("seq", [320, 512])
+def test_fp8_values_layout(seq, interpret):
+  """The fp8 forward's V: transposed, each 64-key group's keys in the order its
+  weight tiles are stored (256-key programs, or 64 where 256 does not divide S)."""
+  from pallas_attn.kernels import fp8_values
+  v = jax.random.normal(jax.random.key(1), (2, seq, 3, 128), jnp.float32).astype(E4M3)
+  out = fp8_values.transposed_values(v, interpret=interpret)
+  want = fp8_values.reference(v)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  order = np.asarray(fp8_values.reference(jnp.arange(64, dtype=jnp.float32)[None, :, None, None]))
+  assert order.ravel()[[0, 1, 2, 16, 17, 63]].tolist() == [0, 1, 8, 2, 3, 63]

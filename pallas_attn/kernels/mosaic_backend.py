@@ -291,6 +291,58 @@ def diagonal_tile(pairs, shape, rows_are_queries: bool):
   return load(pairs)
 
 
+FP8_KEY_GROUP = 64  # keys whose order an fp8 weight tile permutes (store_fp8_weights)
+
+
+def fp8_weight_key_order(v_t):
+  """V given transposed (`[..., D, S]`, S a multiple of FP8_KEY_GROUP) with
+  its keys in store_fp8_weights' order: in each group of 64, position
+  16 t + 2 m + e holds key 8 m + 2 t + e (t < 4, m < 8, e < 2)."""
+  *lead, seq = v_t.shape
+  grouped = v_t.reshape(*lead, seq // FP8_KEY_GROUP, 8, 4, 2)
+  n = grouped.ndim
+  return jnp.swapaxes(grouped, n - 3, n - 2).reshape(v_t.shape)
+
+
+def store_fp8_weights(w, ref):
+  """`ref[...] = w` for a `[64, n]` e4m3 tile of weights in the WGMMA layout,
+  in 16-byte stores, with its keys in fp8_weight_key_order: a thread's
+  column pairs of a 64-key group (keys 8 m + 2 t + e) go side by side, one
+  16-byte vector per row and group. The PV product contracts over the keys,
+  so V's transposed tile in the same order gives the same output. In the
+  WGMMA layout's own order the tile takes a 2-byte store per pair, 64 per
+  thread for 256 keys, with 1.5-way bank conflicts."""
+  from jax._src.lib.mlir.dialects import vector
+
+  rows, cols = w.shape
+  layout = mgpu.TiledLayout(
+      mgpu.fragmented_array.Tiling(((rows, FP8_KEY_GROUP), (16, FP8_KEY_GROUP),
+                                    (8, FP8_KEY_GROUP), (16,))),
+      warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms=smem_transforms(1))))
+  def store(ctx, tile, smem):
+    del ctx
+    pairs = tile.registers  # [1, cols / 8, 1, 1, 2 (row halves), 1, 1, 1, 1] 2-vectors
+    grouped = np.empty(layout.registers_shape((rows, cols)), dtype=object)
+    for g in range(cols // FP8_KEY_GROUP):
+      for half in range(2):
+        parts = [pairs[0, 8 * g + m, 0, 0, half, 0, 0, 0, 0] for m in range(8)]
+        while len(parts) > 1:
+          width = 2 * ir_vector_length(parts[0])
+          parts = [vector.shuffle(a, b, list(range(width))) for a, b in zip(parts[::2], parts[1::2])]
+        grouped[0, g, 0, 0, half, 0, 0, 0, 0] = parts[0]
+    mgpu.FragmentedArray(_registers=grouped, _layout=layout, _is_signed=None).store_tiled(
+        smem, swizzle=SWIZZLE_BYTES)
+
+  store(w, ref)
+
+
+def ir_vector_length(value) -> int:
+  from jax._src.lib.mlir import ir
+  return ir.VectorType(value.type).shape[0]
+
+
 def supported_capture_axes(axes, fixed_axis: str = "q") -> bool:
   """Loads `capture_loader` can do: scalars, rows, keys, and full tiles
   whose sequence axes come in the tile's order (fixed axis first)."""

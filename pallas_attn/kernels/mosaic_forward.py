@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_attn.kernels import fp8_values
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.online import LOG2E
@@ -67,8 +68,11 @@ class _PVOperands:
   weights go through an e4m3 shared-memory tile per consumer, written once
   the previous tile's PV has read it (Pallas infers no layout for 8-bit A
   operands in registers; regrouped into one by hand they ran 3-4% slower,
-  `benchmarks/results/NOTES.md`), and V arrives transposed, `[d, keys]`
-  (8-bit wgmma takes no transposed B).
+  `benchmarks/results/NOTES.md`), in 16-byte rows whose keys are permuted
+  within each 64-key group (mosaic_backend.store_fp8_weights: 2-byte stores
+  of column pairs had cost 5-12% of the kernel), and V arrives transposed,
+  `[d, keys]` (8-bit wgmma takes no transposed B), its keys in the same
+  order (kernels/fp8_values.py).
   A tile's weights pass `cast` after its softmax, then `store` once the
   previous PV is done; `weights` is what the PV takes."""
   dtype: object         # the weights' dtype: V's
@@ -81,7 +85,7 @@ class _PVOperands:
   def store(self, w):
     if self.p_tile is None:
       return w
-    self.p_tile[...] = w.astype(self.dtype)
+    mb.store_fp8_weights(w.astype(self.dtype), self.p_tile)
     mb.plgpu.commit_smem()
     return ()
 
@@ -463,8 +467,9 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   fp8 q, k, v (e4m3, `fp8_obstacle` None) take `descales` `[B, Hq, 2]`
   float32: per query head, the factor of its scores (q's descale times its
   kv head's k descale) and of its output (v's); both products run on fp8
-  wgmma and the output is bfloat16. V is transposed here (one XLA pass, V's
-  bytes) for the PV product's K-major operand."""
+  wgmma and the output is bfloat16. V is transposed here (one pass over V's
+  bytes, kernels/fp8_values.py) for the PV product's K-major operand, its
+  keys in the order of the weights' tiles."""
   del interpret  # compiled only (mosaic_backend.unavailable)
   batch, seq_q_pad, heads, d_qk = q.shape
   d_v = v.shape[-1]
@@ -484,7 +489,7 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   if fp8:
     scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, plan.block_k), v.dtype,
                                  transforms=transforms))
-    v = jnp.transpose(v, (0, 2, 3, 1))  # [B, Hkv, Dv, Skv]
+    v = fp8_values.transposed_values(v, interpret=False)  # [B, Hkv, Dv, Skv], keys permuted
   v_tile = (d_v, plan.block_k) if fp8 else (plan.block_k, d_v)
   scratch += [
       mb.plgpu.SMEM((stages, plan.block_k, d_qk), k.dtype, transforms=transforms),
