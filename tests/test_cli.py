@@ -287,3 +287,12 @@ def test_explain_linear_says_which_lowering_runs_and_why(capsys):
   assert "on triton (mosaic_gpu not used: " in out
   code, out, _ = run(capsys, "explain-linear", "--decay", "none", "--delta", *TINY)
   assert code == 0 and "delta rule" in out and "backward on triton" in out
+
+
+def test_alternating_rounds_rotate_the_order():
+  """Every other round runs in reverse, so no side always follows the same one."""
+  seen = []
+  calls = {name: (lambda name=name: seen.append(name) or 1.0) for name in "abc"}
+  samples, errors = bench.alternating_rounds(calls, 3, lambda call: call())
+  assert seen == list("abccbaabc") and errors == {}
+  assert samples == {name: [1.0] * 3 for name in "abc"}
