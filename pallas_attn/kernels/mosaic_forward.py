@@ -65,35 +65,41 @@ def _visits(plan: ForwardPlan, list_refs, b, h, qi):
 class _PVOperands:
   """How a consumer hands a tile's weights and V to the PV wgmma. 16-bit
   inputs: the weights from registers, V's `[keys, d]` tile. fp8 ones: the
-  weights go through an e4m3 shared-memory tile per consumer, written once
-  the previous tile's PV has read it (Pallas infers no layout for 8-bit A
-  operands in registers; regrouped into one by hand they ran 3-4% slower,
-  `benchmarks/results/NOTES.md`), in 16-byte rows whose keys are permuted
+  weights go through e4m3 shared-memory tiles (Pallas infers no layout for
+  8-bit A operands in registers; regrouped into one by hand they ran 3-4%
+  slower, `benchmarks/results/NOTES.md`), in 16-byte rows whose keys are permuted
   within each 64-key group (mosaic_backend.store_fp8_weights: 2-byte stores
   of column pairs had cost 5-12% of the kernel), and V arrives transposed,
   `[d, keys]` (8-bit wgmma takes no transposed B), its keys in the same
   order (kernels/fp8_values.py).
-  A tile's weights pass `cast` after its softmax, then `store` once the
-  previous PV is done; `weights` is what the PV takes."""
+  A tile's weights pass `cast` after its softmax, then `store(w, j)`: with
+  one fp8 weight tile (fp8_weight_tiles) once the previous tile's PV has
+  read it, with two into tile j % 2 beside that PV, which reads the other
+  (`stores_beside_pv`); `weights(held)` is what the PV takes."""
   dtype: object         # the weights' dtype: V's
   v_smem: object        # the K/V ring's V slots
-  p_tile: object = None  # fp8: this consumer's [rows, block_k] weight tile
+  p_tiles: object = None  # fp8: this consumer's [1 or 2, rows, block_k] weight tiles
+
+  @property
+  def stores_beside_pv(self) -> bool:
+    return self.p_tiles is not None and self.p_tiles.shape[0] == 2
 
   def cast(self, w):
-    return w if self.p_tile is not None else w.astype(self.dtype)
+    return w if self.p_tiles is not None else w.astype(self.dtype)
 
-  def store(self, w):
-    if self.p_tile is None:
+  def store(self, w, j):
+    if self.p_tiles is None:
       return w
-    mb.store_fp8_weights(w.astype(self.dtype), self.p_tile)
+    tile = lax.rem(jnp.asarray(j, jnp.int32), self.p_tiles.shape[0])
+    mb.store_fp8_weights(w.astype(self.dtype), self.p_tiles.at[tile])
     mb.plgpu.commit_smem()
-    return ()
+    return tile
 
   def weights(self, held):
-    return held if self.p_tile is None else self.p_tile
+    return held if self.p_tiles is None else self.p_tiles.at[held]
 
   def values(self, slot):
-    return self.v_smem.at[slot] if self.p_tile is None else self.v_smem.at[slot].T
+    return self.v_smem.at[slot] if self.p_tiles is None else self.v_smem.at[slot].T
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
@@ -111,8 +117,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
     list_refs, rest = rest[:4], rest[4:]
   out_ref, lse_ref, q_smem, *rest = rest
   o_smem = q_smem if shared_qo else rest.pop(0)
+  p_smem = None
+  if fp8:  # the weight tiles and the output tile share their shared memory
+    p_smem, o_smem = o_smem
   lse_smem, *rest = rest
-  p_smem = rest.pop(0) if fp8 else None
   k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, *schedule = rest
   schedule = schedule[0] if schedule else None
   bk, rows = plan.block_k, mb.WG_ROWS
@@ -239,7 +247,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
         s = pl.run_scoped(qk, mb.plgpu.ACC((rows, bk), jnp.float32))
         mb.plgpu.barrier_arrive(k_free.at[slot])
         w, acc_factor, row_state = weigh(s, kv_block, masked, tuple(state[1:]))
-        held = pv.store(pv.cast(w))
+        held = pv.store(pv.cast(w), 0)
         acc = online.rescale(state[0], acc_factor)
         if schedule is not None:
           mb.plgpu.barrier_arrive(schedule)
@@ -342,7 +350,7 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
   def walk(o_ref):
     mb.plgpu.barrier_wait(k_ready.at[lax.rem(first_step, stages)])
     w, _, state = weigh(scores(lax.rem(first_step, stages), None), block_at(0), False, row_state)
-    held = pv.store(pv.cast(w))
+    held = pv.store(pv.cast(w), 0)
 
     def step(j, carry):
       held, state = carry
@@ -352,9 +360,12 @@ def _overlapped_loop(count, block_at, weigh, rescale, row_state, *, q_tile, k_sm
       s = scores(slot, (o_ref, pv.weights(held), prev))
       w, acc_factor, state = weigh(s, block_at(j), False, state)
       w = pv.cast(w)
+      if pv.stores_beside_pv:
+        held = pv.store(w, j)
       acc = o_ref[...]  # waits for tile j-1's PV
       mb.plgpu.barrier_arrive(v_free.at[prev])
-      held = pv.store(w)
+      if not pv.stores_beside_pv:
+        held = pv.store(w, j)
       if acc_factor is not None:
         o_ref[...] = rescale(acc, acc_factor)
       return held, state
@@ -420,17 +431,27 @@ def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: 
                         fp8: bool = False) -> int:
   """Shared memory of one program at `config` on padded head dims: the q
   tile (the output tile shares it when the head dims agree and it is not
-  fp8's bfloat16 output), the row statistics, fp8's weight tiles and the K/V
-  ring."""
+  fp8's bfloat16 output, which shares fp8's two weight tiles a consumer),
+  the row statistics and the K/V ring."""
   rows = config.block_q
   if fp8:
-    q_and_out = rows * (d_qk + 2 * d_v) + rows * config.block_k
+    weights = fp8_weight_tiles(config.block_k) * rows * config.block_k
+    q_and_out = rows * d_qk + max(weights, 2 * rows * d_v)
   else:
     q_and_out = rows * (d_qk if d_qk == d_v else d_qk + d_v) * itemsize
   return q_and_out + rows * 4 + config.num_stages * config.block_k * (d_qk + d_v) * itemsize
 
 
 FP8_HEAD_DIM = 128  # fp8's tiles: 128-byte swizzled rows, shared memory at 128 keys
+
+
+def fp8_weight_tiles(block_k: int) -> int:
+  """Weight tiles per fp8 consumer: two at 128 keys, where tile j's weights
+  then go to shared memory while tile j-1's PV runs (causal 4k 0.407 ->
+  0.396 ms, 16k 1.338 -> 1.316 on an H200, outputs bitwise equal); one at
+  256, whose PV reads twice the bytes beside the store (vanilla 16k 2.36 ->
+  2.42 with two, 4k equal; `benchmarks/results/NOTES.md`)."""
+  return 2 if block_k <= 128 else 1
 
 
 def fp8_config(config: AttentionConfig, block_sparse: bool, seq_kv: int) -> AttentionConfig:
@@ -483,12 +504,16 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   shared_qo = d_qk == d_v and not fp8
   scratch = [mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_qk), q.dtype, transforms=transforms)]
   if not shared_qo:
-    scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_v), out_dtype,
-                                 transforms=mb.smem_transforms(jnp.dtype(out_dtype).itemsize)))
+    o_scratch = mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_v), out_dtype,
+                              transforms=mb.smem_transforms(jnp.dtype(out_dtype).itemsize))
+    if fp8:  # the weight tiles, dead by the time the output is stored
+      o_scratch = mb.plgpu.RefUnion(
+          mb.plgpu.SMEM((consumers, fp8_weight_tiles(plan.block_k), mb.WG_ROWS, plan.block_k),
+                        v.dtype,
+                        transforms=transforms), o_scratch)
+    scratch.append(o_scratch)
   scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS), jnp.float32))
   if fp8:
-    scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS, plan.block_k), v.dtype,
-                                 transforms=transforms))
     v = fp8_values.transposed_values(v, interpret=False)  # [B, Hkv, Dv, Skv], keys permuted
   v_tile = (d_v, plan.block_k) if fp8 else (plan.block_k, d_v)
   scratch += [
