@@ -327,20 +327,15 @@ def store_fp8_weights(w, ref):
     grouped = np.empty(layout.registers_shape((rows, cols)), dtype=object)
     for g in range(cols // FP8_KEY_GROUP):
       for half in range(2):
-        parts = [pairs[0, 8 * g + m, 0, 0, half, 0, 0, 0, 0] for m in range(8)]
-        while len(parts) > 1:
-          width = 2 * ir_vector_length(parts[0])
+        parts, width = [pairs[0, 8 * g + m, 0, 0, half, 0, 0, 0, 0] for m in range(8)], 2
+        while len(parts) > 1:  # concatenated pairwise: 8 x 2 -> 4 x 4 -> 2 x 8 -> 16
+          width *= 2
           parts = [vector.shuffle(a, b, list(range(width))) for a, b in zip(parts[::2], parts[1::2])]
         grouped[0, g, 0, 0, half, 0, 0, 0, 0] = parts[0]
     mgpu.FragmentedArray(_registers=grouped, _layout=layout, _is_signed=None).store_tiled(
         smem, swizzle=SWIZZLE_BYTES)
 
   store(w, ref)
-
-
-def ir_vector_length(value) -> int:
-  from jax._src.lib.mlir import ir
-  return ir.VectorType(value.type).shape[0]
 
 
 def supported_capture_axes(axes, fixed_axis: str = "q") -> bool:
