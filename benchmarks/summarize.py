@@ -8,9 +8,11 @@ schema (`pallas_attn.bench.SCHEMA`). Each table comes from the newest folder
 whose files hold all of its cells, each cell from the latest file there that
 has it, and names those files. A ratio is the per-round median [range] the
 run recorded for it, else the ratio of the two times. Hand-written context
-comes from results/NOTES.md, one `## <key>` section per table; its `## history`
-(what was tried and superseded) is listed by subject only, to keep SUMMARY.md
-to the current tables (under 200 lines, issue 43). Issue 39's delta-rule table
+comes from results/NOTES.md, one `## <key>` section per table, of which
+SUMMARY.md takes the first paragraph (what the rows are, which runs) and points
+to the rest (the design, its evidence, what was tried); its `## history` (what
+was tried and superseded) is listed by subject only: SUMMARY.md keeps to the
+current tables (issue 43). Issue 39's delta-rule table
 reads the newest `delta_rule_kernels.json` (per-kernel times, its own layout);
 issues 41/42's newest `multi_gpu*.json` runs (`*_before.json`: the
 code before).
@@ -967,6 +969,18 @@ def history(body: list[str]) -> list[str]:
           + "; ".join(s[:1].lower() + s[1:] if s[:1] != "`" else s for s in subjects) + "."]
 
 
+def lead(key: str, body: list[str]) -> list[str]:
+  """A NOTES.md section's first paragraph (what the table's rows are and which
+  runs they come from) and, where it goes on, where the rest is: the design,
+  its evidence and what was tried stay in NOTES.md."""
+  text = "\n".join(body).strip()
+  if not text:
+    return []
+  first, _, rest = text.partition("\n\n")
+  more = [f"More in `NOTES.md`, `## {key}`."]
+  return ["", *first.splitlines()] + (["", *more] if rest.strip() else [])
+
+
 def notes() -> dict[str, list[str]]:
   """NOTES.md's sections by key."""
   found, key = {}, None
@@ -993,11 +1007,10 @@ def main():
     except (LookupError, TypeError, ValueError, ZeroDivisionError) as e:  # a run lacks cells
       made = [f"(no results to table: {type(e).__name__}: {e})"]
     lines += ["", f"## {title}", "", *made]
-    body = written.pop(key, [])
-    lines += [""] + body if any(body) else []
+    lines += lead(key, written.pop(key, []))
   past = written.pop(HISTORY, [])
   for key, body in written.items():
-    lines += ["", f"## {key}", *body]
+    lines += ["", f"## {key}", *lead(key, body)]
   if any(past):
     lines += ["", "## History: what was tried, the one-off scripts' findings", "", *history(past)]
   text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip() + "\n"
