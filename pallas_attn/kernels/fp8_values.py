@@ -4,10 +4,10 @@ weights (mosaic_backend.fp8_weight_key_order, `reference` here).
 
 8-bit wgmma takes V K-major, so the fp8 forward reads it transposed, and its
 weight tiles go to shared memory in 16-byte rows whose keys are permuted
-within each 64-key group (mosaic_backend.store_fp8_weights). XLA runs the
-transpose and the permutation as a loop over single bytes; this Triton
+within each 64-key group (mosaic_backend.store_fp8_weights). This Triton
 kernel moves a `[block_keys, D]` tile per program, permuting and
-transposing it in registers.
+transposing it on chip: 0.018 ms for 8 MB of V on an H200, where XLA's
+transpose, with the permutation or without, took 0.024.
 """
 from __future__ import annotations
 
