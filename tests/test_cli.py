@@ -289,7 +289,7 @@ def test_explain_linear_says_which_lowering_runs_and_why(capsys):
   assert code == 0 and "delta rule" in out and "backward on triton" in out
 
 
-def test_alternating_rounds_rotate_the_order():
+def test_alternating_rounds_reverse_every_other_round():
   """Every other round runs in reverse, so no side always follows the same one."""
   seen = []
   calls = {name: (lambda name=name: seen.append(name) or 1.0) for name in "abc"}

@@ -11,8 +11,6 @@ transpose, with the permutation or without, took 0.024.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

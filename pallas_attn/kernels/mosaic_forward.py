@@ -69,7 +69,7 @@ class _PVOperands:
   8-bit A operands in registers; regrouped into one by hand they ran 3-4%
   slower, `benchmarks/results/NOTES.md`), in 16-byte rows whose keys are permuted
   within each 64-key group (mosaic_backend.store_fp8_weights: 2-byte stores
-  of column pairs had cost 5-12% of the kernel), and V arrives transposed,
+  of column pairs had cost 3-6% of the kernel), and V arrives transposed,
   `[d, keys]` (8-bit wgmma takes no transposed B), its keys in the same
   order (kernels/fp8_values.py).
   A tile's weights pass `cast` after its softmax, then `store(w, j)`: with
@@ -431,7 +431,7 @@ def shared_memory_bytes(config: AttentionConfig, d_qk: int, d_v: int, itemsize: 
                         fp8: bool = False) -> int:
   """Shared memory of one program at `config` on padded head dims: the q
   tile (the output tile shares it when the head dims agree and it is not
-  fp8's bfloat16 output, which shares fp8's two weight tiles a consumer),
+  fp8's bfloat16 output, which shares fp8's weight tiles, fp8_weight_tiles),
   the row statistics and the K/V ring."""
   rows = config.block_q
   if fp8:
@@ -507,10 +507,9 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
     o_scratch = mb.plgpu.SMEM((consumers, mb.WG_ROWS, d_v), out_dtype,
                               transforms=mb.smem_transforms(jnp.dtype(out_dtype).itemsize))
     if fp8:  # the weight tiles, dead by the time the output is stored
+      weight_tiles = (consumers, fp8_weight_tiles(plan.block_k), mb.WG_ROWS, plan.block_k)
       o_scratch = mb.plgpu.RefUnion(
-          mb.plgpu.SMEM((consumers, fp8_weight_tiles(plan.block_k), mb.WG_ROWS, plan.block_k),
-                        v.dtype,
-                        transforms=transforms), o_scratch)
+          mb.plgpu.SMEM(weight_tiles, v.dtype, transforms=transforms), o_scratch)
     scratch.append(o_scratch)
   scratch.append(mb.plgpu.SMEM((consumers, mb.WG_ROWS), jnp.float32))
   if fp8:
