@@ -127,12 +127,10 @@ def attention(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scal
   call, consts, block_masks, sinks, core = _prepare(
       *prepared, score_mod=score_mod, mask_mod=mask_mod, rownorm=rownorm, scale=scale,
       sinks=sinks, block_mask=block_mask, config=config, bwd_config=bwd_config,
-      interpret=interpret, implementation=implementation, allow_split_kv=True)
+      interpret=interpret, implementation=implementation, allow_split_kv=True,
+      fp8_dtype=q.dtype if fp8_inputs else None)
   output_factor = None
   if fp8_inputs and fp8_tensor_core_obstacle(call, q, v, core) is None:
-    if not isinstance(config, AttentionConfig):
-      call = dataclasses.replace(call, config=mosaic_forward.fp8_config(
-          call.config, block_sparse=block_masks is not None, seq_kv=k.shape[1]))
     descales = fp8.kernel_descales(q_descale, k_descale, v_descale, q.shape[0], q.shape[2],
                                    k.shape[2])
     out, stat = fp8.forward_only(functools.partial(_attention, call=call))(
@@ -159,12 +157,15 @@ def fp8_tensor_core_obstacle(call, q, v, core) -> str | None:
 
 def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale=None,
              sinks=None, block_mask=None, config=None, bwd_config=None, interpret=None,
-             implementation=None, allow_split_kv=False) -> tuple:
+             implementation=None, allow_split_kv=False, fp8_dtype=None) -> tuple:
   """`attention`'s work before the kernels (checks, analysis, lowering,
   configs, block masks, sinks): `(call, consts, block_masks, sinks, core)`,
   `core` being `_attention` or, where `allow_split_kv` and the schedule
   prefer it for a few queries, the split-KV template's forward in front of
-  it. The ring steps of pallas_attn.distributed call it too."""
+  it. `fp8_dtype`: q, k and v are of that fp8 dtype (prepared as bfloat16);
+  where fp8 tensor cores take the call, the default tiles are fp8's
+  (mosaic_forward.fp8_config), chosen before the block masks are built on
+  them. The ring steps of pallas_attn.distributed call it too."""
   _inputs.check_attention_inputs(q, k, v)
   analysis = analyze_variant(score_mod, mask_mod, rownorm)
   interpret = backend.resolve_interpret(interpret)
@@ -178,6 +179,11 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   if (allow_split_kv and config in (None, "auto") and implementation is None
       and block_mask is None):
     split_kv = split_kv_lib.split_kv_call(analysis, q, k, v, scale, interpret)
+  if fp8_dtype is not None and not isinstance(config, AttentionConfig):
+    d_qk, d_v = (lowering_lib.padded_head_dim(d, lowering.forward, lowering.backward)
+                 for d in (q.shape[3], v.shape[3]))
+    cfg, _ = fp8.tensor_core_tiles(fp8_dtype, analysis, cfg, lowering.forward, d_qk, d_v,
+                                   q.shape[1], parallel=split_kv is None)
   block_masks = (None if split_kv else
                  _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret))
   if block_masks is not None:
@@ -303,7 +309,9 @@ def _padded(q, k, v, call: _Call):
   batch, seq_q, heads, d_qk = q.shape
   seq_kv, d_v = k.shape[1], v.shape[3]
   cfg, bwd_cfg = call.config, call.bwd_config
-  seq_q_pad = round_up(seq_q, math.lcm(cfg.block_q, bwd_cfg.block_q))
+  q_rows = (mosaic_forward.q_rows_multiple(cfg.block_q)
+            if call.forward_lowering == lowering_lib.MOSAIC_GPU else cfg.block_q)
+  seq_q_pad = round_up(seq_q, math.lcm(q_rows, bwd_cfg.block_q))
   seq_kv_pad = round_up(seq_kv, math.lcm(cfg.block_k, bwd_cfg.block_k))
   d_qk_pad, d_v_pad = call.padded_head_dims(d_qk, d_v)
   qp = _pad_to(_pad_to(q, 1, seq_q_pad), 3, d_qk_pad)

@@ -56,13 +56,23 @@ def tensor_core_obstacle(dtype, analysis, config, forward_lowering: str, d_qk: i
   return mosaic_forward.fp8_obstacle(config, d_qk, d_v)
 
 
+def tensor_core_tiles(dtype, analysis, config, forward_lowering: str, d_qk: int, d_v: int,
+                      seq_q: int, parallel: bool) -> tuple:
+  """(the forward's tiles, `tensor_core_obstacle`) of an fp8 prefill whose
+  16-bit default tiles are `config`: fp8's own (mosaic_forward.fp8_config)
+  where fp8 tensor cores take the call, else `config`."""
+  fp8_config = mosaic_forward.fp8_config(config, seq_q)
+  why = tensor_core_obstacle(dtype, analysis, fp8_config, forward_lowering, d_qk, d_v, parallel)
+  return (config if why else fp8_config), why
+
+
 def prefill_note(why: str | None) -> str:
   """What an fp8 prefill runs (`pallas-attn explain`), from `tensor_core_obstacle`."""
   if why is None:
     return ("fp8 q / k / v: both products on fp8 wgmma (e4m3 weights through shared memory, "
-            "V transposed by one pass; 256-key tiles without a mask_mod, the forward's "
-            "tiles below otherwise), descales folded into the score scale and the output; "
-            "bfloat16 output")
+            "V transposed by one pass; three consumer warpgroups of 64 rows over 128-key "
+            "tiles past 128 queries, the forward's tiles below), descales folded into the "
+            "score scale and the output; bfloat16 output")
   return (f"fp8 q / k / v: dequantized to bfloat16 before the kernels ({why}; q's and k's "
           "descales folded into q, v's into the output): bfloat16's rate plus one "
           "conversion pass")

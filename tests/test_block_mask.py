@@ -63,6 +63,27 @@ def test_tile_classes_match_dense_mask(name):
   np.testing.assert_array_equal(classes, expected[:classes.shape[0], :classes.shape[1]])
 
 
+@pytest.mark.parametrize("bounds", [True, False])
+@pytest.mark.parametrize("name", ["causal", "window", "per_head"])
+def test_masks_on_192_row_tiles(name, bounds, monkeypatch):
+  """The fp8 forward's 192-row tiles (three consumer warpgroups): classified
+  as 64-row tiles (the classify kernel's Triton tiles are powers of two) and
+  coarsened, with and without tile bounds."""
+  monkeypatch.setattr(bm_lib, "TILE_BOUNDS", bounds)
+  classify, rows = bm_lib.classify_tiles, []
+  monkeypatch.setattr(bm_lib, "classify_tiles",
+                      lambda *args, **kw: rows.append(args[6]) or classify(*args, **kw))
+  mask_mod = MASKS[name]
+  analysis = pa.analyze_variant(mask_mod=mask_mod)
+  built, _ = bm_lib.build_block_masks(analysis, 2, 4, 400, 400, ((192, 64), (64, 64)),
+                                      interpret=True)
+  assert (built.block_q, built.block_k) == (192, 64) and set(rows) == {64}
+  expected = dense_classes(np.asarray(dense_mask(mask_mod, 2, 4, 400, 400)),
+                           400, 400, 192, 64)
+  np.testing.assert_array_equal(built.classes,
+                                expected[:built.classes.shape[0], :built.classes.shape[1]])
+
+
 def test_tile_lists():
   causal = pa.block_mask(MASKS["causal"], 1, 1, 64, 64, block_q=16, block_kv=16)
   np.testing.assert_array_equal(causal.kv_full_num[0, 0], [0, 1, 2, 3])

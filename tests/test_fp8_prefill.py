@@ -106,6 +106,7 @@ TENSOR_CORE_CASES = {
     "softcap-sq-ne-skv": (V.softcap(20.0) + V.causal(), dict(seq_q=200, seq_kv=333)),
     "alibi-window": (V.alibi(num_heads=4) + V.sliding_window(100), dict(seq_q=384, seq_kv=384)),
     "relative-table-d96": (RELATIVE_TABLE + V.causal(), dict(d=96)),
+    "causal-gqa-1000": (V.causal(), dict(seq_q=1000, seq_kv=1000, kv_heads=1)),
 }
 
 
@@ -118,9 +119,10 @@ def test_fp8_tensor_cores_match_the_dequantized_reference(name, per):
   quantized = [pa.quantize_fp8(x, per=per) for x in inputs(**shape)]
   (q8, qd), (k8, kd), (v8, vd) = quantized
   prepared = api._prepare(*(jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q8, k8, v8)),
-                          **variant.kwargs())
+                          fp8_dtype=q8.dtype, **variant.kwargs())
   call, core = prepared[0], prepared[-1]
   assert api.fp8_tensor_core_obstacle(call, q8, v8, core) is None
+  assert call.config.block_q == 192  # three consumer warpgroups (fp8_config)
   out, lse = pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                           return_lse=True, **variant.kwargs())
   assert out.dtype == jnp.bfloat16
@@ -152,17 +154,21 @@ def test_fp8_tensor_cores_under_jit_with_sinks():
 
 
 def test_fp8_tiles_and_their_obstacles():
-  """256 keys per step without a block mask (the weights leave registers),
-  the 16-bit tiles otherwise; head dims, key tiles and shared memory the fp8
-  forward cannot take send the call to the dequantized path with a reason."""
+  """Three consumer warpgroups of 64 rows over 128-key tiles (the weights
+  leave registers), the 16-bit tiles for short queries and 64-key tiles;
+  head dims, key tiles and shared memory the fp8 forward cannot take send
+  the call to the dequantized path with a reason."""
   from pallas_attn.kernels import mosaic_forward
   from pallas_attn.schedule.config import AttentionConfig
   base = AttentionConfig(block_q=128, block_k=128, num_warps=12, num_stages=4)
-  assert mosaic_forward.fp8_config(base, block_sparse=False, seq_kv=4096) == AttentionConfig(
-      block_q=128, block_k=256, num_warps=12, num_stages=2)
-  assert mosaic_forward.fp8_config(base, block_sparse=True, seq_kv=4096) == base
-  assert mosaic_forward.fp8_config(base, block_sparse=False, seq_kv=200) == base
+  three = AttentionConfig(block_q=192, block_k=128, num_warps=16, num_stages=2)
+  assert mosaic_forward.fp8_config(base, seq_q=4096) == three
+  assert mosaic_forward.fp8_config(base, seq_q=100) == base
+  short_keys = AttentionConfig(block_q=128, block_k=64, num_warps=12, num_stages=2)
+  assert mosaic_forward.fp8_config(short_keys, seq_q=4096) == short_keys
   assert mosaic_forward.fp8_obstacle(base, 128, 128) is None
+  assert mosaic_forward.fp8_obstacle(three, 128, 128) is None
+  assert mosaic_forward.q_rows_multiple(192) == 64 and mosaic_forward.q_rows_multiple(128) == 128
   for config, dims, says in (
       (base, (64, 64), "head dims padded to 128"),
       (AttentionConfig(block_q=128, block_k=64, num_warps=12, num_stages=2), (128, 128),

@@ -92,9 +92,12 @@ def test_persistent_grid_lowers(on_hopper, monkeypatch):
   assert _kernels(text) == {"pallas_attn_mosaic_forward"}
 
 
-def test_fp8_prefill_lowers(on_hopper):
-  """e4m3 inputs on fp8 wgmma: V goes in transposed, still e4m3 (not dequantized first)."""
-  q, k, v = _shapes(jnp.float8_e4m3fn)
+@pytest.mark.parametrize("seq, padded", [(300, 384), (256, 256)])
+def test_fp8_prefill_lowers(on_hopper, seq, padded):
+  """e4m3 inputs on fp8 wgmma: V goes in transposed, still e4m3 (not dequantized first).
+  At S 256 the second 192-row q block is ragged: q is not padded to 384."""
+  q = jax.ShapeDtypeStruct((B, seq, HQ, 128), jnp.float8_e4m3fn)
+  k = v = jax.ShapeDtypeStruct((B, seq, HKV, 128), jnp.float8_e4m3fn)
   q_scale = jax.ShapeDtypeStruct((B, HQ), jnp.float32)
   kv_scale = jax.ShapeDtypeStruct((B, HKV), jnp.float32)
   kwargs = variants.causal().kwargs()
@@ -102,7 +105,17 @@ def test_fp8_prefill_lowers(on_hopper):
                                                 v_descale=vd, interpret=False, **kwargs)
   text = _lowered(fn, q, k, v, q_scale, kv_scale, kv_scale)
   assert _kernels(text) == {"pallas_attn_mosaic_forward"}
-  assert f"tensor<{B}x{HKV}x128x384xf8E4M3FN>" in text  # [B, Hkv, D, S padded]
+  assert f"tensor<{B}x{HKV}x128x{padded}xf8E4M3FN>" in text  # [B, Hkv, D, S padded]
+  assert f"tensor<{B}x{padded}x{HQ}x128xbf16>" in text  # the output, as q's rows
+
+
+def test_three_consumers_are_fp8_only(on_hopper):
+  """192-row programs lower for fp8 inputs only; 16-bit ones are refused with the reason."""
+  from pallas_attn.schedule.config import AttentionConfig
+  config = AttentionConfig(block_q=192, block_k=128, num_warps=16, num_stages=2)
+  fn = lambda q, k, v: pa.attention(q, k, v, config=config, interpret=False)
+  with pytest.raises(ValueError, match="block_q 192 .* is for fp8 inputs"):
+    _lowered(fn, *_shapes())
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])

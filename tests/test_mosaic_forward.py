@@ -265,7 +265,7 @@ def test_gather_and_triton_config_keep_triton(monkeypatch):
   plain = analyze_variant()
   small = pa.AttentionConfig(block_q=16, block_k=16)
   chosen = lowering.choose(None, plain, jnp.bfloat16, 64, 64, False, small)
-  assert chosen.forward == "triton" and "block_q 64 or 128" in chosen.reason
+  assert chosen.forward == "triton" and "block_q 64, 128 or 192" in chosen.reason
   assert lowering.choose(None, plain, jnp.bfloat16, 64, 64, False).forward == "mosaic_gpu"
 
 

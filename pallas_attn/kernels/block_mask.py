@@ -88,7 +88,7 @@ class BlockMask:
                        self.q_full_idx), num_blocks)
 
   def with_blocks(self, block_q: int, block_k: int) -> "BlockMask":
-    """The same mask on other tiles (powers of two), e.g. the backward's.
+    """The same mask on other tiles (sizes that divide each other), e.g. the backward's.
 
     Larger tiles are exact (full if every sub-tile is full, empty if every
     one is empty, else partial); smaller tiles inherit their parent's class,
@@ -352,9 +352,12 @@ def build_block_masks(analysis: VariantAnalysis, batch, heads, seq_q, seq_kv, ti
                     digest=values_digest(consts) if consts else None)
 
   def build(block_q, block_k):
-    classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, block_q, block_k, interpret)
-    return from_classes(classes, block_q=block_q, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv,
-                        **built_from)
+    # The classify kernel's tiles are powers of two: 192 rows (the Mosaic fp8
+    # forward's) are classified as 64-row tiles and coarsened, exactly.
+    rows = block_q & -block_q
+    classes = classify_tiles(analysis, batch, heads, seq_q, seq_kv, rows, block_k, interpret)
+    return from_classes(classes, block_q=rows, block_k=block_k, seq_q=seq_q, seq_kv=seq_kv,
+                        **built_from).with_blocks(block_q, block_k)
 
   if TILE_BOUNDS and has_tile_bounds(analysis):
     built = {}

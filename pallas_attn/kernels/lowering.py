@@ -223,7 +223,8 @@ def mosaic_backward_config_error(config: AttentionConfig) -> str | None:
 
 
 def mosaic_config_error(config: AttentionConfig) -> str | None:
-  if config.block_q not in (64, 128) or config.block_k % 64 or config.block_k > 256:
-    return (f"a mosaic_gpu config needs block_q 64 or 128 (one or two consumer warpgroups) "
-            f"and block_k a multiple of 64 up to 256; got {config}")
+  if config.block_q not in (64, 128, 192) or config.block_k % 64 or config.block_k > 256:
+    return (f"a mosaic_gpu config needs block_q 64, 128 or 192 (one to three consumer "
+            f"warpgroups; 192 for fp8 inputs) and block_k a multiple of 64 up to 256; got "
+            f"{config}")
   return None

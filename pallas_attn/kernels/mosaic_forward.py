@@ -50,8 +50,14 @@ from pallas_attn.schedule.config import AttentionConfig, next_power_of_2
 from pallas_attn.schedule.template import Template, register, shared_memory_reason
 from pallas_attn.spec.mask_bounds import kept_kv_tiles
 
-_PRODUCER_REGISTERS = 40
-_CONSUMER_REGISTERS = 232
+
+def _registers(consumers: int) -> tuple[int, int]:
+  """(consumer, producer) registers per thread after `setmaxnreg`, within a
+  block's 64K: two consumers take 232 beside a producer's 40, three (fp8's
+  192-row programs of 128-key tiles: a score tile and the accumulator) 160
+  beside 24 (ptxas: no spills unmasked; masked tiles spill 196 bytes, two
+  consumers' 184)."""
+  return (160, 24) if consumers == 3 else (232, 40)
 
 
 def _visits(plan: ForwardPlan, list_refs, b, h, qi):
@@ -105,6 +111,7 @@ class _PVOperands:
 def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
             num_q_blocks: int, heads: int, batch: int, persistent: bool, shared_qo: bool,
             fp8: bool):
+  consumer_registers, producer_registers = _registers(consumers)
   n_caps = len(plan.operands)
   cap_refs, rest = refs[:n_caps], refs[n_caps:]
   sink_ref = descale_ref = None
@@ -153,7 +160,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
 
   @pl.when(wg == consumers)
   def _producer():
-    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    mb.plgpu.set_max_registers(producer_registers, action="decrease")
 
     def produce(b, h, qi, visits, step):
       del qi
@@ -173,11 +180,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
 
   @pl.when(wg < consumers)
   def _consumer():
-    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    mb.plgpu.set_max_registers(consumer_registers, action="increase")
 
-    def consume(b, h, qi, visits, step0):
+    def attend(b, h, qi, visits, step0, q_start):
       num_visits = visits[0][0] + visits[1][0]
-      q_start = qi * plan.block_q + wg * rows
       q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
       mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, rows), h], q_tile, q_ready.at[wg])
       tile = dataclasses.replace(plan.tile, fast_math=False,
@@ -308,7 +314,27 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       # leaves a program three tiles, and its forward ran 0.1479 -> 0.1461 ms at 4k on an
       # H200 (`ab_epilogue_read_only_windows.json`).
       mb.plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      return step0 + num_visits
+
+    def turn_ring(visits, step0):
+      """A consumer whose rows lie past q's end: it only frees each slot once
+      filled, as the ring's other consumers do."""
+      def free(step, kv_block, sub, masked, carry):
+        del kv_block, sub, masked
+        slot = lax.rem(step, stages)
+        for ready, free_ in ((k_ready, k_free), (v_ready, v_free)):
+          mb.plgpu.barrier_wait(ready.at[slot])
+          mb.plgpu.barrier_arrive(free_.at[slot])
+        return carry
+      mb.fold_visits(visits, free, None, step=step0)
+
+    def consume(b, h, qi, visits, step0):
+      q_start = qi * plan.block_q + wg * rows
+      if q_ref.shape[1] % plan.block_q:  # the last q block is ragged (q_rows_multiple)
+        pl.when(q_start < q_ref.shape[1])(lambda: attend(b, h, qi, visits, step0, q_start))
+        pl.when(q_start >= q_ref.shape[1])(lambda: turn_ring(visits, step0))
+      else:
+        attend(b, h, qi, visits, step0, q_start)
+      return step0 + visits[0][0] + visits[1][0]
 
     for_each_item(consume)
 
@@ -454,14 +480,33 @@ def fp8_weight_tiles(block_k: int) -> int:
   return 2 if block_k <= 128 else 1
 
 
-def fp8_config(config: AttentionConfig, block_sparse: bool, seq_kv: int) -> AttentionConfig:
-  """An fp8 call's tiles from its 16-bit default: 256 keys per step where no
-  block mask lists the tiles (the weights wait in shared memory, so a score
-  tile of 256 fits the registers: vanilla 16k 2.65 -> 2.47 ms on an H200;
-  causal 4k 0.43 -> 0.55 with its masked 256-key tiles, so masks keep 128)."""
-  if block_sparse or seq_kv < 256:
+FP8_ROWS = 192  # fp8 programs: three consumer warpgroups
+
+
+def fp8_config(config: AttentionConfig, seq_q: int) -> AttentionConfig:
+  """An fp8 call's tiles from its 16-bit default: three consumer warpgroups
+  of 64 rows over 128-key tiles. fp8's weights wait in shared memory, so a
+  consumer holds a score tile and its accumulator, which fit the 160
+  registers of three (`_registers`); the third adds the independent work
+  that two lacked (Nsight Compute: 0.55 eligible warps per scheduler). One
+  H200, kernel ms against two consumers (256-key tiles without a mask_mod,
+  128 with one; `benchmarks/results/NOTES.md`): vanilla B4 S4096 0.659 ->
+  0.639, causal 0.397 either way, vanilla B1 S16384 2.480 -> 2.390, causal
+  1.324 -> 1.259; rings of three or four slots ran slower. Short query
+  sequences and 64-key tiles keep their tiles."""
+  if seq_q <= 128 or config.block_k < 128:
     return config
-  return dataclasses.replace(config, block_k=256, num_stages=2)
+  return dataclasses.replace(config, block_q=FP8_ROWS, block_k=128, num_stages=2,
+                             num_warps=mb.num_warps(FP8_ROWS))
+
+
+def q_rows_multiple(block_q: int) -> int:
+  """What the forward needs q's rows padded to: whole q blocks, but whole
+  64-row consumer tiles at 192 rows, whose last q block may then end past
+  q's rows; its consumers wholly past the end load and store nothing and
+  only turn the ring (`_kernel`), where padding S 4096 to 4224 would cost a
+  copy of q and of the output."""
+  return mb.WG_ROWS if block_q % 128 else block_q
 
 
 def fp8_obstacle(config: AttentionConfig, d_qk: int, d_v: int) -> str | None:
@@ -497,8 +542,13 @@ def forward(q, k, v, capture_arrays, sinks, block_mask_arrays, *, plan: ForwardP
   fp8 = descales is not None
   out_dtype = jnp.bfloat16 if fp8 else q.dtype
   consumers = plan.block_q // mb.WG_ROWS
+  if consumers == 3 and not fp8:
+    raise ValueError(
+        "block_q 192 (three consumer warpgroups) is for fp8 inputs: 16-bit weights, held in "
+        "registers beside the score tile, overflow a third consumer's 160 (a causal B4 S4096 "
+        "bfloat16 forward ran 0.640 ms against 0.441 at block_q 128 on an H200); use 128")
   stages = max(1, min(config.num_stages, plan.num_kv_blocks))
-  num_q_blocks = seq_q_pad // plan.block_q
+  num_q_blocks = -(-seq_q_pad // plan.block_q)
   transforms = mb.smem_transforms(q.dtype.itemsize)
   # The output tile reuses q's shared memory when the head dims and dtypes agree.
   shared_qo = d_qk == d_v and not fp8

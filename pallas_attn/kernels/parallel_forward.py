@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import backend, tiles
 from pallas_attn.kernels.lowering import TRITON
 from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
-from pallas_attn.schedule.config import (AttentionConfig, heuristic_config, next_power_of_2,
-                                         padded_head_dim)
+from pallas_attn.schedule.config import (TILE, AttentionConfig, heuristic_config,
+                                         next_power_of_2, padded_head_dim)
 from pallas_attn.schedule.template import (ResourceUse, TileCheck, TritonTemplate,
                                            accumulator_registers, register)
 from pallas_attn.spec.analysis import VariantAnalysis
@@ -232,6 +232,11 @@ class TritonParallelTemplate(TritonTemplate):
 
   def obstacle(self, analysis, dtype, d_qk: int, d_v: int, interpret: bool) -> str | None:
     """Why this lowering cannot run the pass for a call: Triton runs every one."""
+    return None
+
+  def config_error(self, config):
+    if not TILE[0](config.block_q):
+      return f"Triton's tiles are powers of two; block_q is {config.block_q}"
     return None
 
   def tile_checks(self, config, shape, device):

@@ -15,13 +15,17 @@ MAX_STAGES = 8  # the deepest software pipeline / TMA ring the search spaces try
 
 # Rules for `check_value`: (test, what it allows).
 TILE = (lambda n: n >= 16 and n & (n - 1) == 0, "a power of two >= 16 (a tile dimension)")
+# Query rows of a parallel program: a tile, or the 192 rows of three Mosaic GPU
+# consumer warpgroups (the fp8 forward's).
+Q_ROWS = (lambda n: TILE[0](n) or n == 192,
+          "a power of two >= 16 (a tile dimension) or 192 (Mosaic GPU's fp8 forward)")
 COUNT = (lambda n: n >= 1, "an integer >= 1")
 STAGES = (lambda n: 1 <= n <= MAX_STAGES, f"an integer in 1..{MAX_STAGES}")
 TRITON_WARPS = (lambda n: n in (1, 2, 4, 8, 16),
                 "one of 1, 2, 4, 8, 16 (Triton's warps: a power of two)")
 # Mosaic GPU programs run a warpgroup (4 warps) per 64-row consumer and one producer.
 ATTENTION_WARPS = (lambda n: n in (1, 2, 4, 8, 12, 16),
-                   "one of 1, 2, 4, 8, 12, 16 (a power of two for Triton; 8 or 12 for "
+                   "one of 1, 2, 4, 8, 12, 16 (a power of two for Triton; 8, 12 or 16 for "
                    "Mosaic GPU: its consumer warpgroups and the producer)")
 
 
@@ -44,8 +48,10 @@ def _validate(config, *, unset_ok: bool = False, **rules) -> None:
 class AttentionConfig:
   """Tiles and launch parameters of the parallel (flash-style) templates.
 
-  block_q: query rows per program; block_k: key rows per inner-loop step;
-  num_warps / num_stages: Triton launch and software-pipelining depth.
+  block_q: query rows per program (a power of two; 192 for the Mosaic GPU
+  fp8 forward's three consumer warpgroups); block_k: key rows per
+  inner-loop step; num_warps / num_stages: Triton launch and
+  software-pipelining depth.
   """
   block_q: int = 128
   block_k: int = 64
@@ -53,7 +59,7 @@ class AttentionConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    _validate(self, block_q=TILE, block_k=TILE, num_warps=ATTENTION_WARPS, num_stages=STAGES)
+    _validate(self, block_q=Q_ROWS, block_k=TILE, num_warps=ATTENTION_WARPS, num_stages=STAGES)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -77,7 +77,7 @@ def _forward(spec: CoreSpec, q, k, v, consts, block_mask, sinks, descales=None):
       bank_width=None if mosaic else spec.config.block_k)
   plan = parallel_forward.ForwardPlan(
       **_plan_fields(spec, spec.config, operands, block_mask is not None, sinks is not None))
-  lists = () if block_mask is None else block_mask.q_major(q.shape[1] // spec.config.block_q)
+  lists = () if block_mask is None else block_mask.q_major(-(-q.shape[1] // spec.config.block_q))
   fp8 = {} if descales is None else {"descales": descales}  # the Mosaic forward's
   if mosaic:
     from pallas_attn.kernels import mosaic_forward
