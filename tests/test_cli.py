@@ -87,6 +87,8 @@ def test_explain_says_how_an_fp8_prefill_runs(capsys, monkeypatch):
     code, out, _ = run(capsys, "explain", "causal", "--seq-q", "256", "--d-qk", str(d),
                        "--dtype", dtype)
     assert code == 0 and says in out, out
+    three_consumers = "tiles block_q=192 block_k=128 num_warps=16 num_stages=2"
+    assert (three_consumers in out) == (says == "both products on fp8 wgmma"), out
 
 
 def test_explain_verbose_lists_pruned_configs(capsys, variant_file):
