@@ -180,8 +180,8 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
       and block_mask is None):
     split_kv = split_kv_lib.split_kv_call(analysis, q, k, v, scale, interpret)
   if fp8_dtype is not None and not isinstance(config, AttentionConfig):
-    d_qk, d_v = (lowering_lib.padded_head_dim(d, lowering.forward, lowering.backward)
-                 for d in (q.shape[3], v.shape[3]))
+    d_qk, d_v = lowering_lib.padded_head_dims(q.shape[3], v.shape[3], lowering.forward,
+                                              lowering.backward)
     cfg, _ = fp8.tensor_core_tiles(fp8_dtype, analysis, cfg, lowering.forward, d_qk, d_v,
                                    q.shape[1], parallel=split_kv is None)
   block_masks = (None if split_kv else
@@ -293,8 +293,8 @@ class _Call:
 
   def padded_head_dims(self, d_qk: int, d_v: int) -> tuple[int, int]:
     """The head dims as the kernels of both passes take them."""
-    return tuple(lowering_lib.padded_head_dim(d, self.forward_lowering, self.backward_lowering)
-                 for d in (d_qk, d_v))
+    return lowering_lib.padded_head_dims(d_qk, d_v, self.forward_lowering,
+                                         self.backward_lowering)
 
   def __eq__(self, other):
     return isinstance(other, _Call) and self.key == other.key

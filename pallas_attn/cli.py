@@ -243,8 +243,7 @@ def cmd_explain(args) -> int:
   if fp8_dtype:
     from pallas_attn import _templates, fp8
     config, _ = _chosen_config(_templates.FORWARD[chosen.forward].name, analysis, shape)
-    d_qk, d_v = (lowering.padded_head_dim(d, chosen.forward, chosen.backward)
-                 for d in (shape.d_qk, shape.d_v))
+    d_qk, d_v = lowering.padded_head_dims(shape.d_qk, shape.d_v, chosen.forward, chosen.backward)
     config, why = fp8.tensor_core_tiles(
         fp8_dtype, analysis, config, chosen.forward, d_qk, d_v, shape.seq_q,
         parallel=not split_kv.prefers_split_kv(shape.seq_q, shape.seq_kv))

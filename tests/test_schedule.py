@@ -227,8 +227,8 @@ def test_mosaic_search_spaces():
   assert "shared memory holds 3 (dq) and 4 (dk/dv) ring slots" in reason
   assert "run 12" in prune_reason("forward_mosaic", AttentionConfig(128, 64, 8, 2), shape(),
                                   H100)
-  assert "block_q 64, 128 or 192" in prune_reason("forward_mosaic", AttentionConfig(32, 64, 8, 2),
-                                             shape(), H100)
+  assert "block_q 64, 128 or 192" in prune_reason(
+      "forward_mosaic", AttentionConfig(32, 64, 8, 2), shape(), H100)
 
 
 @pytest.mark.parametrize("template", MOSAIC_TEMPLATES)

@@ -185,6 +185,11 @@ def padded_head_dim(d: int, *lowerings: str) -> int:
   return max(64, triton) if MOSAIC_GPU in lowerings else triton
 
 
+def padded_head_dims(d_qk: int, d_v: int, *lowerings: str) -> tuple[int, int]:
+  """Both head dims as `padded_head_dim` gives them."""
+  return padded_head_dim(d_qk, *lowerings), padded_head_dim(d_v, *lowerings)
+
+
 def heuristic_mosaic_config(seq_q: int, seq_kv: int, d_qk: int, d_v: int, *,
                             block_sparse: bool = False) -> AttentionConfig:
   """Mosaic GPU forward tiles: two consumer warpgroups of 64 rows (block_q
