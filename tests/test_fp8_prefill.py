@@ -153,6 +153,26 @@ def test_fp8_tensor_cores_under_jit_with_sinks():
     jax.grad(lambda q8: call(q8, k8, v8, qd, kd, vd)[0].astype(jnp.float32).sum())(q8)
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", [V.Variant("vanilla"), V.softcap(30.0)], ids=["vanilla", "softcap"])
+def test_fp8_lazy_max_rescales_where_a_row_max_jumps(variant):
+  """Unmasked fp8 calls keep a lazy running max (mosaic_forward.MAX_GROWTH):
+  keys whose scores grow along the sequence (log2 logits by more than 8
+  between some 128-key tiles) make rows move their max and rescale mid-row,
+  others not."""
+  q, k, v = inputs(1024, 1000, d=128)
+  k = k * (1.0 + jnp.arange(1000, dtype=jnp.float32) / 100.0)[None, :, None, None]
+  quantized = [pa.quantize_fp8(x) for x in (q, k, v)]
+  (q8, qd), (k8, kd), (v8, vd) = quantized
+  out, lse = pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                          return_lse=True, **variant.kwargs())
+  real = [dequantized(x, d) for x, d in quantized]
+  want, want_lse = pa.attention_reference(*real, return_lse=True, **variant.kwargs())
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert_close(out, want, jnp.bfloat16, factor=4)
+  assert_close(lse, want_lse, jnp.bfloat16)
+
+
 def test_fp8_tiles_and_their_obstacles():
   """Three consumer warpgroups of 64 rows over 128-key tiles (the weights
   leave registers), the 16-bit tiles for short queries and 64-key tiles;

@@ -273,3 +273,38 @@ def test_unknown_implementation_is_an_error():
   q, k, v = qkv()
   with pytest.raises(ValueError, match="implementation must be"):
     pa.attention(q, k, v, implementation="cuda")
+
+
+def test_lazy_running_max_gives_the_exact_softmax():
+  """online.OnlineRowNorm.max_growth (the fp8 forward's lazy max): a row's
+  max moves only when a tile raises it by more than the bound (8), its
+  factor is then exactly 1 and its weights stay below 2**8; the finalized
+  output and lse equal the exact max's. Rows in tile 2: scores up by 40, by
+  12, by 5 (the max stays); a row empty until tile 3; one masked throughout."""
+  from pallas_attn.kernels.online import OnlineRowNorm
+  rownorm = analyze_variant().rownorm
+  rng = jax.random.split(jax.random.key(3), 8)
+  tiles = [jax.random.normal(rng[j], (5, 16)) for j in range(4)]
+  tiles[2] = tiles[2] + jnp.array([40.0, 12.0, 5.0, 0.0, 0.0])[:, None]
+  values = [jax.random.normal(rng[4 + j], (16, 8)) for j in range(4)]
+  keeps = [jnp.ones((5, 16), bool).at[3].set(j == 3).at[4].set(False) for j in range(4)]
+  results = {}
+  for growth in (None, 8.0):
+    online = OnlineRowNorm(rownorm, True, False, max_growth=growth)
+    state = online.init(5, 8)
+    for j, (s, v, keep) in enumerate(zip(tiles, values, keeps)):
+      w, factor, (_, m, l) = online.weigh(state, s, keep, log2_logits=s)
+      if growth is not None:
+        assert float(jnp.max(w)) <= 2.0 ** growth
+        held = (m == state[1])[:, 0]
+        assert bool(jnp.all(jnp.where(held, factor[:, 0] == 1.0, True)))
+        if j == 2:
+          assert held.tolist() == [False, False, True, True, True]
+      state = (online.rescale(state[0], factor) + w @ v, m, l)
+    results[growth] = online.finalize(state)
+  (out, lse), (lazy_out, lazy_lse) = results[None], results[8.0]
+  assert bool(jnp.all(jnp.isfinite(lazy_out)))
+  assert_close(lazy_out, out)
+  assert bool(jnp.all(jnp.isinf(lazy_lse) == jnp.isinf(lse)))
+  finite = lambda x: jnp.where(jnp.isinf(lse), 0.0, x)
+  assert_close(finite(lazy_lse), finite(lse))

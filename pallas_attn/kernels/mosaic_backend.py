@@ -338,6 +338,52 @@ def store_fp8_weights(w, ref):
   store(w, ref)
 
 
+def rescale_unless_unit(acc, factor):
+  """`acc * factor[:, None]` for a float32 `[64, n]` WGMMA tile and its row
+  factor, skipped in each warp whose every factor is 1 (one warp vote in
+  place of n / 2 multiplies a thread): with softmax's lazy running max
+  (online.OnlineRowNorm.max_growth) most tiles leave every row's factor 1."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
+                                                        layout=plgpu.Layout.WGMMA))
+  def rescale(ctx, tile, rows):
+    del ctx
+    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+    one, differs = arith.constant(f32, 1.0), None
+    for reg in rows.registers.flat:
+      try:
+        size = ir.VectorType(reg.type).shape[0]
+      except ValueError:  # a scalar register
+        values = [reg]
+      else:
+        values = [vector.extract(reg, dynamic_position=[],
+                                 static_position=ir.DenseI64ArrayAttr.get([i]))
+                  for i in range(size)]
+      for x in values:
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
+        differs = ne if differs is None else arith.ori(differs, ne)
+    vote = llvm.inline_asm(
+        i32, [arith.extui(i32, differs)],
+        "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; "
+        "selp.u32 $0, 1, 0, p; }", "=r,r", has_side_effects=True)
+    scale = arith.cmpi(arith.CmpIPredicate.ne, vote, arith.constant(i32, 0))
+    registers = list(tile.registers.flat)
+    branch = scf.IfOp(scale, [r.type for r in registers], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      scaled = tile * rows.broadcast_minor(tile.shape[1])
+      scf.yield_(list(scaled.registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(registers)
+    results = np.empty(tile.registers.shape, dtype=object)
+    results.flat[:] = list(branch.results)
+    return mgpu.FragmentedArray(_registers=results, _layout=tile.layout, _is_signed=None)
+
+  return rescale(acc, factor)
+
+
 def supported_capture_axes(axes, fixed_axis: str = "q") -> bool:
   """Loads `capture_loader` can do: scalars, rows, keys, and full tiles
   whose sequence axes come in the tile's order (fixed axis first)."""

@@ -95,6 +95,10 @@ class OnlineRowNorm:
   fp32_exact: bool
   fast_math: bool = False  # approximate transcendentals (backend.fast_math_overrides)
   rows: RowLayout = KEEPDIMS
+  # softmax's lazy running max (log2 units; None: exact): a row's max moves
+  # only when a tile raises it by more than this, so that most tiles leave
+  # the accumulator's factor exactly 1 and their weights at most 2**max_growth.
+  max_growth: float | None = None
 
   @property
   def kind(self) -> str:
@@ -177,8 +181,12 @@ class OnlineRowNorm:
       scaled = (lambda x: x) if unit else (lambda x: x * logit_scale)
       tile_max = scaled(self.rows.reduce(jnp.max, t))
       m_new = jnp.maximum(m, tile_max if logit_shift is None else tile_max + logit_shift)
+      if self.max_growth is not None:
+        m_new = jnp.where(m_new > m + self.max_growth, m_new, m)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
+      if self.max_growth is not None:  # exactly 1 where the max stays
+        alpha = jnp.where(m_new == m, 1.0, alpha)
       subtrahend = m_safe if logit_shift is None else m_safe - logit_shift
       p = jnp.exp2(scaled(t) - self.rows.expand(subtrahend, t.shape))
       l = l * alpha + self.rows.reduce(jnp.sum, p)
