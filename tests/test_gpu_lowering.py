@@ -92,21 +92,24 @@ def test_persistent_grid_lowers(on_hopper, monkeypatch):
   assert _kernels(text) == {"pallas_attn_mosaic_forward"}
 
 
-@pytest.mark.parametrize("seq, padded", [(300, 384), (256, 256)])
-def test_fp8_prefill_lowers(on_hopper, seq, padded):
+@pytest.mark.parametrize("seq, padded, name", [(300, 384, "causal"), (256, 256, "causal"),
+                                                (300, 384, "vanilla")])
+def test_fp8_prefill_lowers(on_hopper, seq, padded, name):
   """e4m3 inputs on fp8 wgmma: V goes in transposed, still e4m3 (not dequantized first).
-  At S 256 the second 192-row q block is ragged: q is not padded to 384."""
+  At S 256 the second 192-row q block is ragged: q is not padded to 384. Without a
+  mask_mod the lazy running max and its warp-voted rescale (inline Mosaic GPU) lower too."""
   q = jax.ShapeDtypeStruct((B, seq, HQ, 128), jnp.float8_e4m3fn)
   k = v = jax.ShapeDtypeStruct((B, seq, HKV, 128), jnp.float8_e4m3fn)
   q_scale = jax.ShapeDtypeStruct((B, HQ), jnp.float32)
   kv_scale = jax.ShapeDtypeStruct((B, HKV), jnp.float32)
-  kwargs = variants.causal().kwargs()
+  kwargs = VARIANTS[name].kwargs()
   fn = lambda q, k, v, qd, kd, vd: pa.attention(q, k, v, q_descale=qd, k_descale=kd,
                                                 v_descale=vd, interpret=False, **kwargs)
   text = _lowered(fn, q, k, v, q_scale, kv_scale, kv_scale)
   assert _kernels(text) == {"pallas_attn_mosaic_forward"}
   assert f"tensor<{B}x{HKV}x128x{padded}xf8E4M3FN>" in text  # [B, Hkv, D, S padded]
   assert f"tensor<{B}x{padded}x{HQ}x128xbf16>" in text  # the output, as q's rows
+  assert ("vote.sync" in text) == (name == "vanilla")  # the lazy max's rescale
 
 
 def test_three_consumers_are_fp8_only(on_hopper):
