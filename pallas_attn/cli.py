@@ -247,7 +247,7 @@ def cmd_explain(args) -> int:
     config, why = fp8.tensor_core_tiles(
         fp8_dtype, analysis, config, chosen.forward, d_qk, d_v, shape.seq_q,
         parallel=not split_kv.prefers_split_kv(shape.seq_q, shape.seq_kv))
-    print(fp8.prefill_note(why) + ("" if why else f"; tiles {format_config(config)}"))
+    print(fp8.prefill_note(why, analysis) + ("" if why else f"; tiles {format_config(config)}"))
   print(f"shape {bench_lib.describe_shape(shape)}; device {device.kind} ({device.name} entry)")
   for template in args.templates or running_templates(analysis, shape):
     config, source = _chosen_config(template, analysis, shape)

@@ -66,13 +66,18 @@ def tensor_core_tiles(dtype, analysis, config, forward_lowering: str, d_qk: int,
   return (config if why else fp8_config), why
 
 
-def prefill_note(why: str | None) -> str:
-  """What an fp8 prefill runs (`pallas-attn explain`), from `tensor_core_obstacle`."""
+def prefill_note(why: str | None, analysis=None) -> str:
+  """What an fp8 prefill of `analysis` runs (`pallas-attn explain`), from
+  `tensor_core_obstacle`."""
   if why is None:
+    growth = None if analysis is None else mosaic_forward.lazy_max_growth(analysis, fp8=True)
+    lazy = ("" if growth is None else
+            f"; a lazy running max (a row's moves when a tile raises it by over {growth:g} "
+            "in log2 units, warps whose rows kept theirs skip the rescale)")
     return ("fp8 q / k / v: both products on fp8 wgmma (e4m3 weights through shared memory, "
             "V transposed by one pass; three consumer warpgroups of 64 rows over 128-key "
             "tiles past 128 queries, the forward's tiles below), descales folded into the "
-            "score scale and the output; bfloat16 output")
+            f"score scale and the output; bfloat16 output{lazy}")
   return (f"fp8 q / k / v: dequantized to bfloat16 before the kernels ({why}; q's and k's "
           "descales folded into q, v's into the output): bfloat16's rate plus one "
           "conversion pass")

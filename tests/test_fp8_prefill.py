@@ -154,7 +154,8 @@ def test_fp8_tensor_cores_under_jit_with_sinks():
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [V.Variant("vanilla"), V.softcap(30.0)], ids=["vanilla", "softcap"])
+@pytest.mark.parametrize("variant", [V.Variant("vanilla"), V.softcap(30.0)],
+                         ids=["vanilla", "softcap"])
 def test_fp8_lazy_max_rescales_where_a_row_max_jumps(variant):
   """Unmasked fp8 calls keep a lazy running max (mosaic_forward.MAX_GROWTH):
   keys whose scores grow along the sequence (log2 logits by more than 8

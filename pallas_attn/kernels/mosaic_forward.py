@@ -61,6 +61,13 @@ from pallas_attn.spec.mask_bounds import kept_kv_tiles
 MAX_GROWTH = 8.0
 
 
+def lazy_max_growth(analysis, fp8: bool) -> float | None:
+  """The running max's bound where the forward keeps a lazy max (MAX_GROWTH:
+  fp8 softmax calls without a mask_mod), else None (exact)."""
+  plain_softmax = analysis.rownorm.kind == "softmax" and analysis.mask_mod is None
+  return MAX_GROWTH if fp8 and plain_softmax else None
+
+
 def _registers(consumers: int) -> tuple[int, int]:
   """(consumer, producer) registers per thread after `setmaxnreg`, within a
   block's 64K: two consumers take 232 beside a producer's 40, three (fp8's
@@ -199,8 +206,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       tile = dataclasses.replace(plan.tile, fast_math=False,
                                  loader=mb.capture_loader(b, h, "q", q_start, rows)
                                  ).with_program_loads(cap_refs)
-      lazy = (MAX_GROWTH if fp8 and plan.online.kind == "softmax"
-              and plan.analysis.mask_mod is None else None)
+      lazy = lazy_max_growth(plan.analysis, fp8)
       online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS, max_growth=lazy)
       fold = plan.folds_log2 and plan.scale > 0
       separable = plan.analysis.separable_bias
