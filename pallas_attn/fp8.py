@@ -66,11 +66,11 @@ def tensor_core_tiles(dtype, analysis, config, forward_lowering: str, d_qk: int,
   return (config if why else fp8_config), why
 
 
-def prefill_note(why: str | None, analysis=None) -> str:
+def prefill_note(why: str | None, analysis) -> str:
   """What an fp8 prefill of `analysis` runs (`pallas-attn explain`), from
   `tensor_core_obstacle`."""
   if why is None:
-    growth = None if analysis is None else mosaic_forward.lazy_max_growth(analysis, fp8=True)
+    growth = mosaic_forward.lazy_max_growth(analysis, fp8=True)
     lazy = ("" if growth is None else
             f"; a lazy running max (a row's moves when a tile raises it by over {growth:g} "
             "in log2 units, warps whose rows kept theirs skip the rescale)")
