@@ -17,14 +17,19 @@ from pallas_attn import variants as V
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
-def inputs(seq_q=37, seq_kv=50, heads=4, kv_heads=2, d=32, seed=0):
-  """float32 q, k, v (Sq != Skv, GQA) whose heads differ in scale, k with an outlier channel."""
+def inputs(seq_q=37, seq_kv=50, heads=4, kv_heads=2, d=32, seed=0, rising_keys=False):
+  """float32 q, k, v (Sq != Skv, GQA) whose heads differ in scale, k with an
+  outlier channel; with `rising_keys`, keys that grow along the sequence (by
+  1% a position), so that a row's scores, and its running max, jump from one
+  key tile to the next."""
   rng = np.random.default_rng(seed)
   head_scales = lambda *s: np.array(s)[None, None, :, None]
   q = rng.standard_normal((2, seq_q, heads, d)) * head_scales(0.5, 2.0, 1.0, 3.0)[:, :, :heads]
   k, v = (rng.standard_normal((2, seq_kv, kv_heads, d)) * head_scales(0.3, 4.0)[:, :, :kv_heads]
           for _ in range(2))
   k[..., 3] *= 20.0
+  if rising_keys:
+    k *= (1.0 + np.arange(seq_kv) / 100.0)[None, :, None, None]
   return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
 
 
@@ -107,6 +112,12 @@ TENSOR_CORE_CASES = {
     "alibi-window": (V.alibi(num_heads=4) + V.sliding_window(100), dict(seq_q=384, seq_kv=384)),
     "relative-table-d96": (RELATIVE_TABLE + V.causal(), dict(d=96)),
     "causal-gqa-1000": (V.causal(), dict(seq_q=1000, seq_kv=1000, kv_heads=1)),
+    # Unmasked calls keep a lazy running max (mosaic_forward.MAX_GROWTH): keys
+    # whose scores grow along the sequence (log2 logits by more than 8 between
+    # some 128-key tiles) make rows move their max and rescale mid-row, others not.
+    "vanilla-rising-keys": (V.Variant("vanilla"),
+                            dict(seq_q=1024, seq_kv=1000, rising_keys=True)),
+    "softcap-rising-keys": (V.softcap(30.0), dict(seq_q=1024, seq_kv=1000, rising_keys=True)),
 }
 
 
@@ -154,24 +165,21 @@ def test_fp8_tensor_cores_under_jit_with_sinks():
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [V.Variant("vanilla"), V.softcap(30.0)],
-                         ids=["vanilla", "softcap"])
-def test_fp8_lazy_max_rescales_where_a_row_max_jumps(variant):
-  """Unmasked fp8 calls keep a lazy running max (mosaic_forward.MAX_GROWTH):
-  keys whose scores grow along the sequence (log2 logits by more than 8
-  between some 128-key tiles) make rows move their max and rescale mid-row,
-  others not."""
-  q, k, v = inputs(1024, 1000, d=128)
-  k = k * (1.0 + jnp.arange(1000, dtype=jnp.float32) / 100.0)[None, :, None, None]
-  quantized = [pa.quantize_fp8(x) for x in (q, k, v)]
-  (q8, qd), (k8, kd), (v8, vd) = quantized
-  out, lse = pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                          return_lse=True, **variant.kwargs())
-  real = [dequantized(x, d) for x, d in quantized]
-  want, want_lse = pa.attention_reference(*real, return_lse=True, **variant.kwargs())
-  assert not np.isnan(np.asarray(out, np.float32)).any()
-  assert_close(out, want, jnp.bfloat16, factor=4)
-  assert_close(lse, want_lse, jnp.bfloat16)
+def test_fp8_tensor_cores_under_vmap():
+  """fp8 calls mapped over a leading axis (Pallas' batching rule gives the
+  kernel a grid axis in front) match the calls one by one."""
+  quantized = [[pa.quantize_fp8(x) for x in inputs(256, 256, d=128, seed=n)] for n in range(2)]
+  # q8, k8, v8, then their descales, each stacked over the two calls
+  args = [jnp.stack([quantized[n][i][part] for n in range(2)])
+          for part in (0, 1) for i in range(3)]
+
+  def call(q8, k8, v8, qd, kd, vd):
+    return pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                        **V.causal().kwargs())
+  mapped = jax.vmap(call)(*args)
+  for n in range(2):
+    one = call(*(x[n] for x in args))
+    np.testing.assert_array_equal(np.asarray(mapped[n], np.float32), np.asarray(one, np.float32))
 
 
 def test_fp8_tiles_and_their_obstacles():
