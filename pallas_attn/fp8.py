@@ -126,11 +126,14 @@ def dequantized(q, k, v, q_descale, k_descale, v_descale):
   prefill: scores from q' and k' are the real ones (q' = q * q_descale *
   k_descale of its kv head, rounded once to bfloat16; k' and v' exact), and
   the output times v's descale of each query head's kv head is the real
-  output (every rownorm weighs v linearly). Differentiating raises."""
+  output (every rownorm weighs v linearly). Differentiating in the inputs or
+  their descales raises, as it does on fp8 tensor cores (`forward_only`)."""
   batch, _, heads, _ = q.shape
   kv_heads = k.shape[2]
-  q_factor = _score_factor(q_descale, k_descale, batch, heads, kv_heads)
   q, k, v = (_forward_only(x) for x in (q, k, v))
+  q_descale, k_descale, v_descale = (None if d is None else _forward_only(d)
+                                     for d in (q_descale, k_descale, v_descale))
+  q_factor = _score_factor(q_descale, k_descale, batch, heads, kv_heads)
   q = (q.astype(jnp.float32) * q_factor[:, None, :, None]).astype(jnp.bfloat16)
   return (q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
           _per_query_head(v_descale, batch, heads, kv_heads))

@@ -87,10 +87,11 @@ def test_fp8_prefill_errors():
   for args, kwargs, error, match in cases:
     with pytest.raises(error, match=match):
       pa.attention(*args, interpret=True, **kwargs)
-  loss = lambda q8: pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                 interpret=True).astype(jnp.float32).sum()
-  with pytest.raises(ValueError, match="fp8 attention is forward only"):
-    jax.grad(loss)(q8)
+  loss = lambda q8, qd, kd, vd: pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd,
+                                             v_descale=vd, interpret=True).astype(jnp.float32).sum()
+  for argnum in range(4):  # the fp8 input, and each descale (as on fp8 tensor cores)
+    with pytest.raises(ValueError, match="fp8 attention is forward only"):
+      jax.grad(loss, argnum)(q8, qd, kd, vd)
 
 
 def test_negative_descales_give_nan_factors():
