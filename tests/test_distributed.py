@@ -86,14 +86,15 @@ def test_zigzag_moves_in_two_rounds_of_sends(num):
     assert reached == sources
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(sequence_order="reversed"), "sequence_order must be one of"),
-    (dict(sequence_order="zigzag", load_balance=False), "contradicts"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(sequence_order="reversed"), ValueError, "sequence_order must be one of"),
+    (dict(sequence_order="zigzag", load_balance=False), ValueError, "contradicts"),
+    (dict(q_descale=1.0, v_descale=1.0), TypeError, "no fp8 inputs \\(q_descale, v_descale"),
 ])
-def test_sequence_order_errors(kwargs, match):
+def test_context_parallel_argument_errors(kwargs, error, match):
   mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])
   x = jnp.ones((1, 8, 2, 16))
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(error, match=match):
     pa.context_parallel_attention(x, x, x, mesh=mesh, seq_axis="seq", **kwargs)
   with pytest.raises(ValueError, match="2 x 3 equal chunks"):
     pa.distributed.zigzag_order(x, 3)

@@ -66,6 +66,12 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   eagerly) it runs as one jitted program, compiled once per variant, shapes
   and options.
   """
+  descales = [name for name in ("q_descale", "k_descale", "v_descale") if name in attention_kwargs]
+  if descales:
+    raise TypeError(
+        f"context_parallel_attention takes no fp8 inputs ({', '.join(descales)} given): its "
+        "ring runs bfloat16, float16 or float32 blocks. Dequantize first (x.astype(jnp.bfloat16)"
+        " * descale), or run pallas_attn.attention on fp8 inputs sharded over batch and heads")
   arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids,
                 sinks=attention_kwargs.pop("sinks", None))
   mods = {name: attention_kwargs.pop(name, default) for name, default in
