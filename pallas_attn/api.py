@@ -179,11 +179,13 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
   if (allow_split_kv and config in (None, "auto") and implementation is None
       and block_mask is None):
     split_kv = split_kv_lib.split_kv_call(analysis, q, k, v, scale, interpret)
+  fp8_tiles = None  # fp8's own tiles, where fp8 tensor cores take them
   if fp8_dtype is not None and not isinstance(config, AttentionConfig):
     d_qk, d_v = lowering_lib.padded_head_dims(q.shape[3], v.shape[3], lowering.forward,
                                               lowering.backward)
-    cfg, _ = fp8.tensor_core_tiles(fp8_dtype, analysis, cfg, lowering.forward, d_qk, d_v,
-                                   q.shape[1], parallel=split_kv is None)
+    cfg, why = fp8.tensor_core_tiles(fp8_dtype, analysis, cfg, lowering.forward, d_qk, d_v,
+                                     q.shape[1], parallel=split_kv is None)
+    fp8_tiles = cfg if why is None else None
   block_masks = (None if split_kv else
                  _resolve_block_masks(block_mask, analysis, cfg, bwd_cfg, q, k, interpret))
   if block_masks is not None:
@@ -193,6 +195,9 @@ def _prepare(q, k, v, *, score_mod=None, mask_mod=None, rownorm="softmax", scale
       block_masks = fwd_mask, bwd_mask
     cfg = dataclasses.replace(cfg, block_q=fwd_mask.block_q, block_k=fwd_mask.block_k)
     forward_template.check(cfg)
+    if fp8_tiles is not None and block_mask is not None:
+      fp8.note_block_mask_tiles(fp8_dtype, analysis, cfg, fp8_tiles, lowering.forward, d_qk,
+                                d_v)
     bwd_cfg = dataclasses.replace(bwd_cfg, block_q=bwd_mask.block_q, block_k=bwd_mask.block_k)
   sinks = _inputs.resolve_sinks(sinks, analysis, q.shape[2])
   consts = consts_of(analysis)

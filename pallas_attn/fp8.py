@@ -6,6 +6,8 @@ an fp8 prefill runs on fp8 wgmma where `tensor_core_obstacle` allows it
 16-bit kernels."""
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -64,6 +66,28 @@ def tensor_core_tiles(dtype, analysis, config, forward_lowering: str, d_qk: int,
   fp8_config = mosaic_forward.fp8_config(config, seq_q)
   why = tensor_core_obstacle(dtype, analysis, fp8_config, forward_lowering, d_qk, d_v, parallel)
   return (config if why else fp8_config), why
+
+
+_NOTED_MASK_TILES = set()
+
+
+def note_block_mask_tiles(dtype, analysis, config, fp8_tiles, forward_lowering: str, d_qk: int,
+                          d_v: int) -> None:
+  """Warns, once per tiles, where a given block mask's tiles (`config`'s)
+  keep an fp8 prefill off fp8 tensor cores that its own tiles (`fp8_tiles`)
+  would run on: the call still runs, dequantized to bfloat16, at bfloat16's
+  rate, and nothing else would say why (`pallas-attn explain` does not see
+  the mask)."""
+  tiles = (config.block_q, config.block_k)
+  why = tensor_core_obstacle(dtype, analysis, config, forward_lowering, d_qk, d_v, parallel=True)
+  if why is None or tiles in _NOTED_MASK_TILES:
+    return
+  _NOTED_MASK_TILES.add(tiles)
+  warnings.warn(
+      f"fp8 attention: the block mask's {tiles[0]}x{tiles[1]} tiles keep this call off fp8 "
+      f"tensor cores ({why}), so it runs dequantized to bfloat16; build the mask at the fp8 "
+      f"forward's tiles: pa.block_mask(..., block_q={fp8_tiles.block_q}, "
+      f"block_kv={fp8_tiles.block_k})", stacklevel=4)
 
 
 def prefill_note(why: str | None, analysis) -> str:

@@ -166,6 +166,21 @@ def test_fp8_tensor_cores_under_jit_with_sinks():
 
 
 @pytest.mark.hopper
+def test_fp8_tensor_cores_with_a_block_mask():
+  """A block mask built at the fp8 forward's tiles, passed to a jitted call."""
+  quantized = [pa.quantize_fp8(x) for x in inputs(500, 500, d=128)]
+  (q8, qd), (k8, kd), (v8, vd) = quantized
+  mask = pa.block_mask(V.causal().mask_mod, 2, 4, 500, 500, block_q=192, block_kv=128)
+  call = jax.jit(lambda *args: pa.attention(*args[:3], q_descale=args[3], k_descale=args[4],
+                                            v_descale=args[5], block_mask=mask,
+                                            **V.causal().kwargs()))
+  out = call(q8, k8, v8, qd, kd, vd)
+  want = pa.attention_reference(*(dequantized(x, d) for x, d in quantized),
+                                **V.causal().kwargs())
+  assert_close(out, want, jnp.bfloat16, factor=4)
+
+
+@pytest.mark.hopper
 def test_fp8_tensor_cores_under_vmap():
   """fp8 calls mapped over a leading axis (Pallas' batching rule gives the
   kernel a grid axis in front) match the calls one by one."""

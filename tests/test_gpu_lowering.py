@@ -10,6 +10,7 @@ speed) stays with the compiled `gpu` / `hopper` tests."""
 import dataclasses
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,36 @@ def test_fp8_prefill_lowers(on_hopper, seq, padded, name):
   assert f"tensor<{B}x{HKV}x128x{padded}xf8E4M3FN>" in text  # [B, Hkv, D, S padded]
   assert f"tensor<{B}x{padded}x{HQ}x128xbf16>" in text  # the output, as q's rows
   assert ("vote.sync" in text) == (name == "vanilla")  # the lazy max's rescale
+
+
+@pytest.mark.parametrize("tiles", [None, (128, 64)])
+def test_fp8_prefill_with_a_block_mask(on_hopper, tiles):
+  """A block mask built at the fp8 forward's tiles (what the warning names)
+  keeps the call on fp8 tensor cores; one at other tiles runs it dequantized,
+  with a warning that says why and which tiles to build it at."""
+  from pallas_attn import fp8
+  fp8._NOTED_MASK_TILES.clear()
+  q = jax.ShapeDtypeStruct((B, 384, HQ, 128), jnp.float8_e4m3fn)
+  k = v = jax.ShapeDtypeStruct((B, 384, HKV, 128), jnp.float8_e4m3fn)
+  scales = (jax.ShapeDtypeStruct((B, HQ), jnp.float32),
+            *[jax.ShapeDtypeStruct((B, HKV), jnp.float32)] * 2)
+  causal = VARIANTS["causal"].mask_mod
+  block_q, block_kv = tiles or (192, 128)
+  mask = pa.block_mask(causal, B, HQ, 384, 384, block_q=block_q, block_kv=block_kv,
+                       interpret=True)
+  fn = lambda q, k, v, qd, kd, vd: pa.attention(q, k, v, q_descale=qd, k_descale=kd,
+                                                v_descale=vd, mask_mod=causal, block_mask=mask,
+                                                interpret=False)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    text = _lowered(fn, q, k, v, *scales)
+  noted = [str(w.message) for w in caught if "fp8 tensor cores" in str(w.message)]
+  on_tensor_cores = f"tensor<{B}x{HKV}x128x384xf8E4M3FN>" in text  # V transposed, still e4m3
+  assert on_tensor_cores == (tiles is None)
+  if tiles is None:
+    assert not noted
+  else:
+    assert len(noted) == 1 and "block_q=192, block_kv=128" in noted[0], noted
 
 
 def test_three_consumers_are_fp8_only(on_hopper):

@@ -363,7 +363,9 @@ def block_mask(mask_mod, batch, heads, seq_q, seq_kv, *, block_q=None, block_kv=
   block sizes become the kernel's block_q / block_k (defaults: the dense
   heuristic's, 128x64 for d=128, not the 128x128 tiles a mask_mod alone
   gets: a block mask can be coarsened for the other pass, not refined, so
-  the backward runs on these tiles too).
+  the backward runs on these tiles too). An fp8 prefill's fp8 tensor cores
+  take 192x128 (`pallas-attn explain VARIANT --dtype float8_e4m3fn`): at
+  other tiles the call runs dequantized to bfloat16 and warns.
 
   The first call per mask, shapes and blocks compiles a builder that takes
   mask_mod's captured arrays as arguments. Later calls with the same
