@@ -90,12 +90,16 @@ def test_zigzag_moves_in_two_rounds_of_sends(num):
     (dict(sequence_order="reversed"), ValueError, "sequence_order must be one of"),
     (dict(sequence_order="zigzag", load_balance=False), ValueError, "contradicts"),
     (dict(q_descale=1.0, v_descale=1.0), TypeError, "no fp8 inputs \\(q_descale, v_descale"),
+    (dict(block_mask=object()), TypeError, "takes no block_mask: each ring step"),
+    (dict(seq_axis="sequence"), ValueError, "seq_axis 'sequence' is not an axis of the mesh"),
+    (dict(batch_axis=("data", "seq")), ValueError, "batch_axis 'data' is not an axis"),
 ])
 def test_context_parallel_argument_errors(kwargs, error, match):
   mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])
   x = jnp.ones((1, 8, 2, 16))
+  kwargs = dict(dict(mesh=mesh, seq_axis="seq"), **kwargs)
   with pytest.raises(error, match=match):
-    pa.context_parallel_attention(x, x, x, mesh=mesh, seq_axis="seq", **kwargs)
+    pa.context_parallel_attention(x, x, x, **kwargs)
   with pytest.raises(ValueError, match="2 x 3 equal chunks"):
     pa.distributed.zigzag_order(x, 3)
 

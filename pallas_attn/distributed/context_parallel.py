@@ -66,12 +66,8 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
   eagerly) it runs as one jitted program, compiled once per variant, shapes
   and options.
   """
-  descales = [name for name in ("q_descale", "k_descale", "v_descale") if name in attention_kwargs]
-  if descales:
-    raise TypeError(
-        f"context_parallel_attention takes no fp8 inputs ({', '.join(descales)} given): its "
-        "ring runs bfloat16, float16 or float32 blocks. Dequantize first (x.astype(jnp.bfloat16)"
-        " * descale), or run pallas_attn.attention on fp8 inputs sharded over batch and heads")
+  _check_arguments(mesh, attention_kwargs, seq_axis=seq_axis, batch_axis=batch_axis,
+                   head_axis=head_axis)
   arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids,
                 sinks=attention_kwargs.pop("sinks", None))
   mods = {name: attention_kwargs.pop(name, default) for name, default in
@@ -80,6 +76,27 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
                         batch_axis=batch_axis, head_axis=head_axis, load_balance=load_balance,
                         sequence_order=sequence_order, return_lse=return_lse, **mods,
                         **attention_kwargs)
+
+
+def _check_arguments(mesh, attention_kwargs, **axes):
+  """Clear errors for `attention` keywords the ring does not take and for
+  mesh axes the mesh lacks (else a TypeError naming ring_attention, or a
+  KeyError)."""
+  descales = [name for name in ("q_descale", "k_descale", "v_descale") if name in attention_kwargs]
+  if descales:
+    raise TypeError(
+        f"context_parallel_attention takes no fp8 inputs ({', '.join(descales)} given): its "
+        "ring runs bfloat16, float16 or float32 blocks. Dequantize first (x.astype(jnp.bfloat16)"
+        " * descale), or run pallas_attn.attention on fp8 inputs sharded over batch and heads")
+  if "block_mask" in attention_kwargs:
+    raise TypeError("context_parallel_attention takes no block_mask: each ring step attends "
+                    "another block of keys, whose tiles it classifies from mask_mod itself; "
+                    "pass mask_mod alone")
+  for name, axis in axes.items():
+    for part in (axis if isinstance(axis, tuple) else (axis,)):
+      if part is not None and part not in mesh.shape:
+        raise ValueError(f"{name} {part!r} is not an axis of the mesh (its axes: "
+                         f"{tuple(mesh.shape)})")
 
 
 def _context_parallel(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
