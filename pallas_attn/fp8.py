@@ -96,8 +96,8 @@ def prefill_note(why: str | None, analysis) -> str:
   if why is None:
     growth = mosaic_forward.lazy_max_growth(analysis, fp8=True)
     lazy = ("" if growth is None else
-            f"; a lazy running max (a row's moves when a tile raises it by over {growth:g} "
-            "in log2 units, warps whose rows kept theirs skip the rescale)")
+            f"; a lazy running max in unmasked tiles (a row's moves when a tile raises it by "
+            f"over {growth:g} in log2 units, warps whose rows kept theirs skip the rescale)")
     return ("fp8 q / k / v: both products on fp8 wgmma (e4m3 weights through shared memory, "
             "V transposed by one pass; three consumer warpgroups of 64 rows over 128-key "
             "tiles past 128 queries, the forward's tiles below), descales folded into the "

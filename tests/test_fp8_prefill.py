@@ -113,12 +113,14 @@ TENSOR_CORE_CASES = {
     "alibi-window": (V.alibi(num_heads=4) + V.sliding_window(100), dict(seq_q=384, seq_kv=384)),
     "relative-table-d96": (RELATIVE_TABLE + V.causal(), dict(d=96)),
     "causal-gqa-1000": (V.causal(), dict(seq_q=1000, seq_kv=1000, kv_heads=1)),
-    # Unmasked calls keep a lazy running max (mosaic_forward.MAX_GROWTH): keys
+    # Unmasked tiles keep a lazy running max (mosaic_forward.MAX_GROWTH): keys
     # whose scores grow along the sequence (log2 logits by more than 8 between
-    # some 128-key tiles) make rows move their max and rescale mid-row, others not.
+    # some 128-key tiles) make rows move their max and rescale mid-row, others
+    # not; with a mask_mod, masked tiles then take the max exactly.
     "vanilla-rising-keys": (V.Variant("vanilla"),
                             dict(seq_q=1024, seq_kv=1000, rising_keys=True)),
     "softcap-rising-keys": (V.softcap(30.0), dict(seq_q=1024, seq_kv=1000, rising_keys=True)),
+    "causal-rising-keys": (V.causal(), dict(seq_q=1000, seq_kv=1000, rising_keys=True)),
 }
 
 

@@ -51,21 +51,22 @@ from pallas_attn.schedule.template import Template, register, shared_memory_reas
 from pallas_attn.spec.mask_bounds import kept_kv_tiles
 
 
-# softmax's lazy running max for fp8 calls without a mask_mod, log2 units
-# (online.OnlineRowNorm.max_growth; FlashAttention-4's threshold; None: exact
-# everywhere): weights reach 2**8, within e4m3's 448, and a warp whose rows
-# kept their max skips the accumulator's rescale (rescale_unless_unit). Same
-# process on an H200 (benchmarks/results/NOTES.md): fp8 vanilla B4 S4096
-# 0.629 -> 0.598 ms, B1 S16384 2.41 -> 2.30; causal 4k 0.397 -> 0.405 and
-# 16-bit calls 2-9% slower (their weights in registers), so they keep it exact.
+# softmax's lazy running max for fp8 calls, log2 units, in the unmasked
+# (overlapped) loop (online.OnlineRowNorm.max_growth; FlashAttention-4's
+# threshold; None: exact everywhere): weights reach 2**8, within e4m3's 448,
+# and a warp whose rows kept their max skips the accumulator's rescale
+# (rescale_unless_unit). Same process on an H200 (benchmarks/results/NOTES.md):
+# fp8 vanilla B4 S4096 0.629 -> 0.598 ms, B1 S16384 2.41 -> 2.30; with a
+# mask_mod, causal 4k 0.398 -> 0.389, 16k 1.237 -> 1.195. Masked tiles keep
+# the exact max (lazy there too, window 256 ran 0.232 -> 0.266 ms), and 16-bit
+# calls keep it everywhere (2-9% slower lazy: their weights in registers).
 MAX_GROWTH = 8.0
 
 
 def lazy_max_growth(analysis, fp8: bool) -> float | None:
-  """The running max's bound where the forward keeps a lazy max (MAX_GROWTH:
-  fp8 softmax calls without a mask_mod), else None (exact)."""
-  plain_softmax = analysis.rownorm.kind == "softmax" and analysis.mask_mod is None
-  return MAX_GROWTH if fp8 and plain_softmax else None
+  """The running max's bound in the forward's unmasked loop where it keeps a
+  lazy max (MAX_GROWTH: fp8 softmax calls), else None (exact)."""
+  return MAX_GROWTH if fp8 and analysis.rownorm.kind == "softmax" else None
 
 
 def _registers(consumers: int) -> tuple[int, int]:
@@ -206,8 +207,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       tile = dataclasses.replace(plan.tile, fast_math=False,
                                  loader=mb.capture_loader(b, h, "q", q_start, rows)
                                  ).with_program_loads(cap_refs)
+      online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS)  # masked steps
       lazy = lazy_max_growth(plan.analysis, fp8)
-      online = dataclasses.replace(plan.online, fast_math=False, rows=mb.ROWS, max_growth=lazy)
+      unmasked_online = dataclasses.replace(online, max_growth=lazy)
       fold = plan.folds_log2 and plan.scale > 0
       separable = plan.analysis.separable_bias
       # Softmax of `score + R(q) + C(kv)` is softmax of `score + C(kv)`: a row's
@@ -241,22 +243,23 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
         kv_idx = mb.tile_indices(kv_start, (rows, bk), 1)
         keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
         state = (None,) + row_state  # the accumulator stays in its wgmma registers
+        norm = online if masked else unmasked_online
         if fold:  # the scale goes inside the exp2: one multiply-add per score (+6% at 4k)
-          w, acc_factor, state = online.weigh(state, s, keep, log2_logits=s,
-                                              logit_scale=qk_scale)
+          w, acc_factor, state = norm.weigh(state, s, keep, log2_logits=s,
+                                            logit_scale=qk_scale)
         elif affine:  # as fold_bias, the columns from a vector made once and a number per tile
           logits = s * qk_scale + lax.broadcast_in_dim(columns0, (rows, bk), (1,))
-          w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits,
-                                              logit_shift=column_shift(kv_start) * LOG2E)
+          w, acc_factor, state = norm.weigh(state, s, keep, log2_logits=logits,
+                                            logit_shift=column_shift(kv_start) * LOG2E)
         elif fold_bias:  # one multiply-add per score, and the exp2's subtraction
           columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, bk)
           logits = s * qk_scale + lax.broadcast_in_dim(columns * LOG2E, (rows, bk), (1,))
-          w, acc_factor, state = online.weigh(state, s, keep, log2_logits=logits)
+          w, acc_factor, state = norm.weigh(state, s, keep, log2_logits=logits)
         else:
           scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows, kv_start,
                                            bk) if separable else tile)
           s = scorer.score(s * qk_scale, b, h, q_idx, kv_idx, cap_refs, kv_start, bk)
-          w, acc_factor, state = online.weigh(state, s, keep, kv_idx=kv_idx)
+          w, acc_factor, state = norm.weigh(state, s, keep, kv_idx=kv_idx)
         return w, acc_factor, state[1:]
 
       def fold_block(step, kv_block, sub, masked: bool, state):
