@@ -6,8 +6,9 @@ weights (mosaic_backend.fp8_weight_key_order, `reference` here).
 weight tiles go to shared memory in 16-byte rows whose keys are permuted
 within each 64-key group (mosaic_backend.store_fp8_weights). This Triton
 kernel moves a `[block_keys, D]` tile per program, permuting and
-transposing it on chip: 0.018 ms for 8 MB of V on an H200, where XLA's
-transpose, with the permutation or without, took 0.024.
+transposing it on chip: 0.020 ms for the 33.5 MB of V of a B4 S4096 H16 d128
+call on an H200 (3.4 TB/s read and written; 64- to 256-key tiles on 2 to 8
+warps within 1 us of it), where XLA's transpose with the permutation took 0.024.
 """
 from __future__ import annotations
 
