@@ -42,8 +42,8 @@ from pallas_attn.kernels.online import LOG2E
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.schedule.template import register
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
-                                               softmax_tile_gradients, split_inputs,
-                                              tile_gradients)
+                                               softmax_tile_gradients, softmax_weights,
+                                               split_inputs, tile_gradients)
 
 _PRODUCER_REGISTERS = 40
 _CONSUMER_REGISTERS = 232
@@ -168,6 +168,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     if rows and fold_bias:  # the bias's part along the rows joins lse2
       rows = (rows[0] - bias_rows * LOG2E, rows[1])
 
+    def keep_and_rows(kv_start, masked):
+      """(kv_idx, keep, the row terms' tiles) of the step at `kv_start`."""
+      kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
+      keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
+      return kv_idx, keep, tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
+
     def softmax_ds(slot, kv_start, masked, k_slot, v_slot):
       """dS of a plain softmax step (`fold_bias` or `plan.folds_log2`), its
       two products waited for one at a time: the weights are made while dP's
@@ -177,18 +183,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       def scoped(s_ref, dp_ref):
         mb.plgpu.wgmma(s_ref, q_tile, k_slot.T)
         mb.plgpu.wgmma(dp_ref, do_tile, v_slot.T)
-        kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
-        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
-        lse2, delta = (lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
+        _, keep, (lse2, delta) = keep_and_rows(kv_start, masked)
         s = mb.plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S is done, dP may run on
         if fold_bias:
           columns = mb.separable_columns(tile, b, h, cap_refs, "q", q_start, kv_start, step_keys)
           logits2 = s * log2_scale + lax.broadcast_in_dim(columns * LOG2E, (SUB, step_keys), (1,))
         else:
           logits2 = s * plan.score_scale
-        w = jnp.exp2(logits2 - lse2)
-        if keep is not None:
-          w = jnp.where(keep, w, 0.0)
+        w = softmax_weights(logits2, lse2, keep)
         dp = mb.plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
         mb.plgpu.barrier_arrive(v_free.at[slot])
         return (w * (dp - delta)).astype(dtype)
@@ -206,9 +208,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
       else:
         s, dp = mb.products(((q_tile, k_slot), (do_tile, v_slot)), (SUB, step_keys))
         mb.plgpu.barrier_arrive(v_free.at[slot])
-        kv_idx = mb.tile_indices(kv_start, (SUB, step_keys), 1)
-        keep = plan.tile_keep(tile, masked, b, h, q_idx, kv_idx, cap_refs, kv_start, step_keys)
-        row_tiles = tuple(lax.broadcast_in_dim(r, (SUB, step_keys), (0,)) for r in rows)
+        kv_idx, keep, row_tiles = keep_and_rows(kv_start, masked)
         scorer = (mb.with_separable_bias(tile, b, h, cap_refs, "q", q_start, bias_rows,
                                          kv_start, step_keys)
                   if plan.analysis.separable_bias else tile)

@@ -194,12 +194,18 @@ def _where(keep, x):
   return x if keep is None else jnp.where(keep, x, 0.0)
 
 
+def softmax_weights(logits2, lse2, keep):
+  """P of a plain-softmax tile from its log2-domain logits and lse2 (0
+  where `keep` is False)."""
+  return _where(keep, jnp.exp2(logits2 - lse2))
+
+
 def softmax_tile_gradients(logits2, dp, rows, keep):
   """(P, dS) of a plain-softmax tile from its log2-domain logits and the row
   terms (lse2, delta): dS = P (dP - delta), the gradient with respect to
   the scaled score."""
   lse2, delta = rows
-  p = _where(keep, jnp.exp2(logits2 - lse2))
+  p = softmax_weights(logits2, lse2, keep)
   return p, p * (dp - delta)
 
 
