@@ -76,6 +76,21 @@ def test_mosaic_forward_and_backward_lower(name, on_hopper):
                             "pallas_attn_mosaic_dkv"}
 
 
+def test_wide_dq_programs_lower(on_hopper, monkeypatch):
+  """Unmasked plain softmax from 2k queries lowers three-consumer dq programs,
+  the last one's rows ending past q's (2100 queries pad to 2176); a masked
+  call keeps the block mask's 128 rows."""
+  from pallas_attn.vjp import mosaic_backward
+  rule, chosen = mosaic_backward.dq_program_rows, []
+  monkeypatch.setattr(mosaic_backward, "dq_program_rows",
+                      lambda *args: chosen.append(rule(*args)) or chosen[-1])
+  shapes = [jax.ShapeDtypeStruct((1, 2100, heads, 128), jnp.bfloat16) for heads in (HQ, HKV, HKV)]
+  for name, rows in (("vanilla", 192), ("causal", 128)):
+    chosen.clear()
+    _lowered(_gradients("mosaic_gpu", VARIANTS[name].kwargs()), *shapes)
+    assert chosen == [rows], name
+
+
 @pytest.mark.parametrize("name", ["causal", "alibi_causal"])
 def test_triton_forward_and_backward_lower(name):
   text = _lowered(_gradients("triton", VARIANTS[name].kwargs()), *_shapes(d=64))

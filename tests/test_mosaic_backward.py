@@ -118,6 +118,18 @@ def test_shapes(seq_q, seq_kv, d_qk, d_v, kv_heads, masked):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("seq_q,seq_kv,kv_heads", [(2100, 1900, HKV), (2304, 2304, 1)])
+def test_wide_dq_programs(seq_q, seq_kv, kv_heads):
+  """Three-consumer dq programs (unmasked plain softmax from 2k queries): 2100
+  queries pad to 2176, so the last program's third consumer lies past q's
+  end and only turns the ring; 2304 fill twelve programs."""
+  q, k, v = qkv(batch=2, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=kv_heads, d_qk=128,
+                d_v=128, dtype=jnp.bfloat16, seed=seq_q)
+  _check(q, k, v, {})
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 def test_agrees_with_triton_and_is_deterministic():
   q, k, v = qkv(batch=2, seq_q=1024, seq_kv=1024, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
                 dtype=jnp.bfloat16, seed=3)

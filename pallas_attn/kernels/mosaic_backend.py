@@ -45,6 +45,15 @@ def num_warps(consumer_rows: int) -> int:
   return 4 * (consumer_rows // WG_ROWS + 1)
 
 
+def registers(consumers: int) -> tuple[int, int]:
+  """(consumer, producer) registers per thread after `setmaxnreg`, within a
+  block's 64K: two consumers take 232 beside a producer's 40, three 160
+  beside 24 (the fp8 forward's 192-row programs, a score tile and the
+  accumulator: no spills unmasked, masked tiles spill 196 bytes, two
+  consumers' 184; the backward's wide dq programs)."""
+  return (160, 24) if consumers == 3 else (232, 40)
+
+
 def _compute_capability(device) -> tuple[int, int] | None:
   text = str(getattr(device, "compute_capability", "") or "")
   try:

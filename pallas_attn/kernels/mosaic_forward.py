@@ -69,15 +69,6 @@ def lazy_max_growth(analysis, fp8: bool) -> float | None:
   return MAX_GROWTH if fp8 and analysis.rownorm.kind == "softmax" else None
 
 
-def _registers(consumers: int) -> tuple[int, int]:
-  """(consumer, producer) registers per thread after `setmaxnreg`, within a
-  block's 64K: two consumers take 232 beside a producer's 40, three (fp8's
-  192-row programs of 128-key tiles: a score tile and the accumulator) 160
-  beside 24 (ptxas: no spills unmasked; masked tiles spill 196 bytes, two
-  consumers' 184)."""
-  return (160, 24) if consumers == 3 else (232, 40)
-
-
 def _visits(plan: ForwardPlan, list_refs, b, h, qi):
   """The kv blocks q block `qi` visits (mosaic_backend.block_visits): listed,
   or every one, masked with a mask_mod, else only the ragged last."""
@@ -129,7 +120,7 @@ class _PVOperands:
 def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stages: int,
             num_q_blocks: int, heads: int, batch: int, persistent: bool, shared_qo: bool,
             fp8: bool):
-  consumer_registers, producer_registers = _registers(consumers)
+  consumer_registers, producer_registers = mb.registers(consumers)
   n_caps = len(plan.operands)
   cap_refs, rest = refs[:n_caps], refs[n_caps:]
   sink_ref = descale_ref = None
@@ -509,7 +500,7 @@ def fp8_config(config: AttentionConfig, seq_q: int) -> AttentionConfig:
   """An fp8 call's tiles from its 16-bit default: three consumer warpgroups
   of 64 rows over 128-key tiles. fp8's weights wait in shared memory, so a
   consumer holds a score tile and its accumulator, which fit the 160
-  registers of three (`_registers`); the third adds the independent work
+  registers of three (`mosaic_backend.registers`); the third adds the independent work
   that two lacked (Nsight Compute: 0.55 eligible warps per scheduler). One
   H200, kernel ms against two consumers (256-key tiles without a mask_mod,
   128 with one; `benchmarks/results/NOTES.md`): vanilla B4 S4096 0.659 ->

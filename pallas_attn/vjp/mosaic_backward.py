@@ -7,7 +7,8 @@ kernels/mosaic_forward.py. A program is `consumers` warpgroups of 64 fixed
 rows each, fed by a producer warpgroup that streams 64-row tiles of the other
 side by TMA through a ring of `num_stages` shared-memory slots:
 
-* dq: a program owns block_q queries of one head and streams K and V tiles;
+* dq: a program owns block_q queries of one head (192, three consumers, on
+  unmasked plain softmax: `dq_program_rows`) and streams K and V tiles;
   per step S = Q K^T, dP = dO V^T, dS, then dQ += dS K.
 * dk/dv: a program owns block_k keys of one kv head and streams, for each
   query head of its GQA group, Q, dO and the row terms; per step the
@@ -45,11 +46,10 @@ from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
                                                softmax_tile_gradients, softmax_weights,
                                                split_inputs, tile_gradients)
 
-_PRODUCER_REGISTERS = 40
-_CONSUMER_REGISTERS = 232
 SUB = mb.WG_ROWS  # rows per consumer warpgroup and per streamed dk/dv tile
 DQ_STEP_KEYS = 64  # keys per streamed dq tile (at most block_k)
 SMEM_BYTES = 220 * 1024  # a Hopper block's shared memory, less a margin for barriers
+WIDE_DQ_ROWS = 192  # three consumer warpgroups: the dq programs of `dq_program_rows`' calls
 
 
 def _ring_stages(requested: int, fixed: int, per_stage: int) -> int:
@@ -58,20 +58,37 @@ def _ring_stages(requested: int, fixed: int, per_stage: int) -> int:
 
 
 def ring_depths(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
-                row_terms: bool, rows_given: bool = False) -> tuple[int, int]:
+                row_terms: bool, rows_given: bool = False,
+                dq_rows: int | None = None) -> tuple[int, int]:
   """The dq and dk/dv kernels' ring depths for `config` on padded head dims:
   `config.num_stages`, capped by shared memory beside each kernel's resident
-  tiles. `row_terms`: a softmax rownorm, whose (lse2, delta) rows the dk/dv
-  ring carries; the dq kernel computes them, staging the output tile, unless
-  `rows_given`."""
-  fixed = (config.block_q // SUB) * SUB * (d_qk + d_v) * itemsize
+  tiles (a dq program's `dq_rows`, by default block_q). `row_terms`: a
+  softmax rownorm, whose (lse2, delta) rows the dk/dv ring carries; the dq
+  kernel computes them, staging the output tile, unless `rows_given`."""
+  dq_rows = config.block_q if dq_rows is None else dq_rows
+  fixed = dq_rows * (d_qk + d_v) * itemsize
   if row_terms and not rows_given:
-    fixed += (config.block_q // SUB) * SUB * (d_v * itemsize + 2 * 4)
+    fixed += dq_rows * (d_v * itemsize + 2 * 4)
   step_keys = min(DQ_STEP_KEYS, config.block_k)
   dq = _ring_stages(config.num_stages, fixed, step_keys * (d_qk + d_v) * itemsize)
   dkv = _ring_stages(config.num_stages, (config.block_k // SUB) * SUB * (d_qk + d_v) * itemsize,
                      SUB * (d_qk + d_v) * itemsize + (2 * SUB * 4 if row_terms else 0))
   return dq, dkv
+
+
+def dq_program_rows(plan: BackwardPlan, block_mask, seq_q_pad: int, d_qk: int, d_v: int) -> int:
+  """The query rows a dq program owns: block_q, or WIDE_DQ_ROWS (three
+  consumers, 160 registers each) on an unmasked plain softmax of 128-wide
+  heads from 2k padded queries: there the dq kernel ran 2-6% faster beside
+  the same dk/dv kernel, forward+backward equal at B4 S4096 and 1-2% faster
+  at 2k, 8k and 16k (one H200, `benchmarks/results/NOTES.md`). Masked calls
+  keep the block mask's rows (192-row mask tiles slowed the causal kernels).
+  The last program's rows may end past q's: its consumers past the end only
+  turn the ring."""
+  if (block_mask is None and plan.analysis.mask_mod is None and plan.folds_log2
+      and plan.block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048):
+    return WIDE_DQ_ROWS
+  return plan.block_q
 
 
 def _zeros(rows: int, cols: int):
@@ -97,7 +114,7 @@ def row_inputs(rownorm, out, stat, d_stat):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int,
-               num_q_blocks: int, step_keys: int, num_row_refs: int):
+               rows_per_program: int, num_q_blocks: int, step_keys: int, num_row_refs: int):
   row_refs, cap_refs, list_refs, rest = split_inputs(plan, refs, num_row_refs)
   dq_ref, *rest = rest
   computes_rows = num_row_refs > 1  # (lse2, out[, d_stat]); else the rows given, or none
@@ -106,7 +123,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     o_smem, rows_smem, o_ready, *rest = rest
   (q_smem, do_smem, k_smem, v_smem, q_ready, do_ready, kv_ready, k_free, v_free) = rest
   dtype = q_ref.dtype
-  consumers = plan.block_q // SUB
+  consumers = rows_per_program // SUB
+  consumer_registers, producer_registers = mb.registers(consumers)
   sub_steps = plan.block_k // step_keys
   qi = num_q_blocks - 1 - lax.axis_index("q")  # heaviest (last) q blocks first
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
@@ -115,7 +133,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
 
   @pl.when(wg == consumers)
   def _producer():
-    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    mb.plgpu.set_max_registers(producer_registers, action="decrease")
     kv_head = lax.div(h, jnp.array(plan.group, h.dtype))
 
     def load(step, kv_block, sub, masked, carry):
@@ -127,10 +145,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
 
     mb.fold_visits(visits, load, None, sub_steps=sub_steps)
 
-  @pl.when(wg < consumers)
-  def _consumer():
-    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-    q_start = qi * plan.block_q + wg * SUB
+  def turn_ring():
+    """A consumer whose rows lie past q's end: it frees each slot once
+    filled, as the ring's other consumers do."""
+    def free(step, kv_block, sub, masked, carry):
+      del kv_block, sub, masked
+      slot = lax.rem(step, stages)
+      mb.plgpu.barrier_wait(kv_ready.at[slot])
+      mb.plgpu.barrier_arrive(v_free.at[slot])
+      mb.plgpu.barrier_arrive(k_free.at[slot])
+      return carry
+    mb.fold_visits(visits, free, None, sub_steps=sub_steps)
+
+  def attend(q_start):
+    """A consumer's 64 rows from `q_start`: its dq (and row terms)."""
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     mb.plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, SUB), h], q_tile, q_ready.at[wg])
     mb.plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(q_start, SUB), h], do_tile, do_ready.at[wg])
@@ -228,6 +256,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     mb.plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, pl.ds(q_start, SUB), h])
     mb.plgpu.wait_smem_to_gmem(0)
 
+  @pl.when(wg < consumers)
+  def _consumer():
+    mb.plgpu.set_max_registers(consumer_registers, action="increase")
+    q_start = qi * rows_per_program + wg * SUB
+    if q_ref.shape[1] % rows_per_program:  # the last program's rows end past q's
+      pl.when(q_start < q_ref.shape[1])(lambda: attend(q_start))
+      pl.when(q_start >= q_ref.shape[1])(turn_ring)
+    else:
+      attend(q_start)
+
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: int):
   row_refs, cap_refs, list_refs, rest = split_inputs(plan, refs)
@@ -261,9 +299,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
   def visits_of(h):
     return mb.block_visits(list_refs, b, h, ki, num_plain, plan.num_q_blocks)
 
+  consumer_registers, producer_registers = mb.registers(consumers)
+
   @pl.when(wg == consumers)
   def _producer():
-    mb.plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    mb.plgpu.set_max_registers(producer_registers, action="decrease")
 
     def head(h, carry, step):
       def load(step, q_block, sub, masked, carry):
@@ -282,7 +322,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
 
   @pl.when(wg < consumers)
   def _consumer():
-    mb.plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    mb.plgpu.set_max_registers(consumer_registers, action="increase")
     kv_start = ki * plan.block_k + wg * SUB
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
     kv_rows = (b, pl.ds(kv_start, SUB), kv_head)
@@ -361,8 +401,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   `rows`: `row_inputs`' (the dq kernel computes the terms), the terms
   themselves (`[B, H, 2, Sq_pad]` float32: no output is read), or None.
   `config.block_q` / `block_k` are the rows a dq / dk-dv program owns (64
-  per consumer warpgroup) and the block mask's tiles; `config.num_stages`
-  the depth of the 64-row ring."""
+  per consumer warpgroup; `dq_program_rows` may widen the dq programs) and the block
+  mask's tiles; `config.num_stages` the depth of the 64-row ring."""
   del interpret  # compiled only (mosaic_backend.unavailable)
   if any(kind is not None for kind in plan.grad_kinds):
     raise ValueError("the Mosaic GPU backward does not lower capture gradients")
@@ -377,10 +417,13 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   barriers = lambda count, arrivals=1: mb.plgpu.Barrier(num_arrivals=arrivals,
                                                         num_barriers=count)
 
-  consumers = plan.block_q // SUB
+  rows_per_dq = dq_program_rows(plan, block_mask, seq_q_pad, d_qk, d_v)
+  dq_blocks = -(-seq_q_pad // rows_per_dq)
+  consumers = rows_per_dq // SUB
   step_keys = min(DQ_STEP_KEYS, plan.block_k)
   rows_given = rows is not None and not isinstance(rows, tuple)
-  stages, dkv_stages = ring_depths(config, d_qk, d_v, item, rows is not None, rows_given)
+  stages, dkv_stages = ring_depths(config, d_qk, d_v, item, rows is not None, rows_given,
+                                   rows_per_dq)
   dq_rows, row_outputs, row_scratch = (), [], []
   if rows_given:
     dq_rows = (rows,)
@@ -392,7 +435,8 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
                    mb.plgpu.SMEM((consumers, 2, SUB), jnp.float32), barriers(consumers)]
   q_lists = () if block_mask is None else block_mask.q_major(num_q_blocks)
   dq, *row_terms = mb.kernel(
-      functools.partial(_dq_kernel, plan=kernel_plan, stages=stages, num_q_blocks=num_q_blocks,
+      functools.partial(_dq_kernel, plan=kernel_plan, stages=stages,
+                        rows_per_program=rows_per_dq, num_q_blocks=dq_blocks,
                         step_keys=step_keys, num_row_refs=len(dq_rows)),
       name="pallas_attn_mosaic_dq",
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), *row_outputs],
@@ -405,7 +449,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           barriers(consumers), barriers(consumers), barriers(stages, 2),  # K and V arrive
           barriers(stages, consumers), barriers(stages, consumers),
       ],
-      grid=(heads, num_q_blocks, batch),  # heads fastest, as the forward's
+      grid=(heads, dq_blocks, batch),  # heads fastest, as the forward's
       grid_names=("h", "q", "b"),
       num_threads=consumers + 1,
       thread_name="wg",
