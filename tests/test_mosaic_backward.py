@@ -234,8 +234,10 @@ def test_lse_cotangent():
     assert_close(g, r, jnp.bfloat16, factor=2.0)
 
 
-@pytest.mark.parametrize("name", ["causal", "alibi"])
-def test_gradients_from_given_row_terms(name):
+@pytest.mark.parametrize("name,seq_q,seq_kv,d", [
+    ("causal", 200, 264, 64), ("alibi", 200, 264, 64),
+    pytest.param("vanilla", 2100, 1900, 128, marks=pytest.mark.hopper)])  # wide dq programs
+def test_gradients_from_given_row_terms(name, seq_q, seq_kv, d):
   """The backward kernels on a given lse and delta = rowsum(dO * O) - d_lse
   (ring attention's steps, `api._recorded_gradients`: no output read) give
   attention's gradients, the lse's cotangent included. Compiled on Hopper
@@ -243,11 +245,11 @@ def test_gradients_from_given_row_terms(name):
   from pallas_attn import api
   from pallas_attn.vjp.attention_vjp import row_delta
   dtype = jnp.bfloat16 if HOPPER else jnp.float32
-  q, k, v = qkv(batch=B, seq_q=200, seq_kv=264, heads=HQ, kv_heads=HKV, d_qk=64, d_v=64,
+  q, k, v = qkv(batch=B, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=HKV, d_qk=d, d_v=d,
                 dtype=dtype, seed=7)
-  kw = _variant(name, 200, 264)
-  d_out = random((B, 200, HQ, 64), seed=8).astype(dtype)
-  d_lse = random((B, HQ, 200), seed=9)
+  kw = _variant(name, seq_q, seq_kv)
+  d_out = random((B, seq_q, HQ, d), seed=8).astype(dtype)
+  d_lse = random((B, HQ, seq_q), seed=9)
   (out, lse), pullback = jax.vjp(lambda *x: pa.attention(*x, return_lse=True, **kw), q, k, v)
   want = pullback((d_out, d_lse))
   call, consts, block_masks, _, _ = api._prepare(q, k, v, **kw)
