@@ -322,13 +322,14 @@ def first_call_source(folders) -> tuple:
   """(Source of the first-call rows, {(case, mode): seconds in a second
   process reading JAX's persistent compilation cache}). First calls are
   ours by throughput rows' `first_call_s` (variants one after another in one
-  process); files named `*cache_read*` hold the second process's, and no
-  `*cache*` file is a fresh process's."""
+  process: the newest folder with a whole user_4k suite's, its float32 case
+  included, not a rerun of some rows); files named `*cache_read*` hold the
+  second process's, and no `*cache*` file is a fresh process's."""
   fresh = [Folder.__new__(Folder) for _ in folders]
   for f, folder in zip(fresh, folders):
     f.files = [d for d in folder.files if "cache" not in d["path"]]
-  src = _newest_first(Source(fresh, [("vanilla_4k", "pallas_attn", m, ("throughput",))
-                                     for m in MODES]))
+  src = _newest_first(Source(fresh, [(c, "pallas_attn", m, ("throughput",)) for m in MODES
+                                     for c in ("vanilla_4k", "alibi_causal_4k_fp32_dqk192")]))
   reads = [[d for d in folder.files if "cache_read" in d["path"]] for folder in folders]
   newest = next((files for files in reads if files), [])  # the newest folder that has some
   cached = {(r["case"], r["mode"]): r["extra"].get("first_call_s")
