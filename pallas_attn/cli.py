@@ -256,6 +256,10 @@ def cmd_explain(args) -> int:
       from pallas_attn.kernels import mosaic_forward
       print("  " + mosaic_forward.describe_grid(analysis, config, shape.batch, shape.heads_q,
                                                 shape.seq_q, shape.seq_kv, device.sm_count))
+    if template == "backward_mosaic":
+      from pallas_attn.vjp import mosaic_backward
+      d_qk, d_v = lowering.padded_head_dims(shape.d_qk, shape.d_v, lowering.MOSAIC_GPU)
+      print("  " + mosaic_backward.describe_dq_programs(analysis, config, shape.seq_q, d_qk, d_v))
     if template != "decode" and analysis.score_mod is not None and analysis.score_mod.terms:
       print("  " + _describe_terms(template, analysis, shape, config))
     reason = template_lib.get(template).prune_reason(config, shape, device)

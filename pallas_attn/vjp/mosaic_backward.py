@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.mosaic_forward import MosaicTemplate
-from pallas_attn.kernels.online import LOG2E
+from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.schedule.template import register
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
@@ -76,7 +76,8 @@ def ring_depths(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
   return dq, dkv
 
 
-def dq_program_rows(plan: BackwardPlan, block_mask, seq_q_pad: int, d_qk: int, d_v: int) -> int:
+def dq_program_rows(analysis, block_q: int, seq_q_pad: int, d_qk: int, d_v: int,
+                    block_mask=None) -> int:
   """The query rows a dq program owns: block_q, or WIDE_DQ_ROWS (three
   consumers, 160 registers each) on an unmasked plain softmax of 128-wide
   heads from 2k padded queries: there the dq kernel ran 2-6% faster beside
@@ -85,10 +86,21 @@ def dq_program_rows(plan: BackwardPlan, block_mask, seq_q_pad: int, d_qk: int, d
   keep the block mask's rows (192-row mask tiles slowed the causal kernels).
   The last program's rows may end past q's: its consumers past the end only
   turn the ring."""
-  if (block_mask is None and plan.analysis.mask_mod is None and plan.folds_log2
-      and plan.block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048):
+  plain = (analysis.score_mod is None and analysis.mask_mod is None and block_mask is None
+           and OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores())
+  if plain and block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048:
     return WIDE_DQ_ROWS
-  return plan.block_q
+  return block_q
+
+
+def describe_dq_programs(analysis, config: AttentionConfig, seq_q: int, d_qk: int,
+                         d_v: int) -> str:
+  """The dq kernel's programs at a shape (padded head dims), for `pallas-attn explain`."""
+  rows = dq_program_rows(analysis, config.block_q, -(-seq_q // config.block_q) * config.block_q,
+                         d_qk, d_v)
+  return (f"dq programs: {rows} query rows, {rows // SUB} consumer warpgroups"
+          + (" (unmasked plain softmax, 128-wide heads, 2k+ queries)" if rows != config.block_q
+             else ""))
 
 
 def _zeros(rows: int, cols: int):
@@ -417,7 +429,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
   barriers = lambda count, arrivals=1: mb.plgpu.Barrier(num_arrivals=arrivals,
                                                         num_barriers=count)
 
-  rows_per_dq = dq_program_rows(plan, block_mask, seq_q_pad, d_qk, d_v)
+  rows_per_dq = dq_program_rows(plan.analysis, plan.block_q, seq_q_pad, d_qk, d_v, block_mask)
   dq_blocks = -(-seq_q_pad // rows_per_dq)
   consumers = rows_per_dq // SUB
   step_keys = min(DQ_STEP_KEYS, plan.block_k)
