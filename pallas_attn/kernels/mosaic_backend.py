@@ -487,6 +487,22 @@ AUTODIFF_REWRITES = {
 }
 
 
+
+def turn_ring(visits, stages: int, slots, step=0, sub_steps: int = 1) -> None:
+  """The walk of a consumer whose rows lie past q's end: at each of the
+  visits' steps it waits for each `(ready, frees)` barrier pair's slot to be
+  filled and frees it, as the ring's other consumers do, so that the
+  producer can go on."""
+  def free(step, block, sub, masked, carry):
+    del block, sub, masked
+    slot = lax.rem(step, stages)
+    for ready, frees in slots:
+      plgpu.barrier_wait(ready.at[slot])
+      for free_ in frees:
+        plgpu.barrier_arrive(free_.at[slot])
+    return carry
+  fold_visits(visits, free, None, step=step, sub_steps=sub_steps)
+
 def lowerable(fn):
   """`fn()` with the primitives of AUTODIFF_REWRITES bound as Mosaic GPU
   lowers them: `fn` is traced to a jaxpr and evaluated equation by equation

@@ -328,23 +328,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, plan: ForwardPlan, consumers: int, stage
       # H200 (`ab_epilogue_read_only_windows.json`).
       mb.plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def turn_ring(visits, step0):
-      """A consumer whose rows lie past q's end: it only frees each slot once
-      filled, as the ring's other consumers do."""
-      def free(step, kv_block, sub, masked, carry):
-        del kv_block, sub, masked
-        slot = lax.rem(step, stages)
-        for ready, free_ in ((k_ready, k_free), (v_ready, v_free)):
-          mb.plgpu.barrier_wait(ready.at[slot])
-          mb.plgpu.barrier_arrive(free_.at[slot])
-        return carry
-      mb.fold_visits(visits, free, None, step=step0)
-
     def consume(b, h, qi, visits, step0):
       q_start = qi * plan.block_q + wg * rows
       if q_ref.shape[1] % plan.block_q:  # the last q block is ragged (q_rows_multiple)
         pl.when(q_start < q_ref.shape[1])(lambda: attend(b, h, qi, visits, step0, q_start))
-        pl.when(q_start >= q_ref.shape[1])(lambda: turn_ring(visits, step0))
+        pl.when(q_start >= q_ref.shape[1])(lambda: mb.turn_ring(
+            visits, stages, ((k_ready, (k_free,)), (v_ready, (v_free,))), step=step0))
       else:
         attend(b, h, qi, visits, step0, q_start)
       return step0 + visits[0][0] + visits[1][0]

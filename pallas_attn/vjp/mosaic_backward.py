@@ -157,18 +157,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
 
     mb.fold_visits(visits, load, None, sub_steps=sub_steps)
 
-  def turn_ring():
-    """A consumer whose rows lie past q's end: it frees each slot once
-    filled, as the ring's other consumers do."""
-    def free(step, kv_block, sub, masked, carry):
-      del kv_block, sub, masked
-      slot = lax.rem(step, stages)
-      mb.plgpu.barrier_wait(kv_ready.at[slot])
-      mb.plgpu.barrier_arrive(v_free.at[slot])
-      mb.plgpu.barrier_arrive(k_free.at[slot])
-      return carry
-    mb.fold_visits(visits, free, None, sub_steps=sub_steps)
-
   def attend(q_start):
     """A consumer's 64 rows from `q_start`: its dq (and row terms)."""
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
@@ -274,7 +262,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: i
     q_start = qi * rows_per_program + wg * SUB
     if q_ref.shape[1] % rows_per_program:  # the last program's rows end past q's
       pl.when(q_start < q_ref.shape[1])(lambda: attend(q_start))
-      pl.when(q_start >= q_ref.shape[1])(turn_ring)
+      pl.when(q_start >= q_ref.shape[1])(lambda: mb.turn_ring(
+          visits, stages, ((kv_ready, (v_free, k_free)),), sub_steps=sub_steps))
     else:
       attend(q_start)
 
