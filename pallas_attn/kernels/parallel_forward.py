@@ -37,6 +37,12 @@ from pallas_attn.spec.analysis import VariantAnalysis
 BLOCK_CHOICES = (16, 32, 64, 128, 256)  # block_q and block_k searched
 
 
+def is_plain_softmax(analysis: VariantAnalysis) -> bool:
+  """Softmax of the scores themselves: no score_mod, no pre-map of the logits."""
+  return (analysis.score_mod is None
+          and OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores())
+
+
 @dataclasses.dataclass(frozen=True)
 class VariantPlan:
   """The static parameters every attention kernel plan shares (the parallel
@@ -63,7 +69,7 @@ class VariantPlan:
   @property
   def folds_log2(self) -> bool:
     """Plain softmax: scores go to the log2 domain with the scale in one multiply."""
-    return self.analysis.score_mod is None and self.online.logits_are_scores()
+    return is_plain_softmax(self.analysis)
 
 
 @dataclasses.dataclass(frozen=True)

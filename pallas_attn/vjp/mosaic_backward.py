@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.mosaic_forward import MosaicTemplate
-from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
+from pallas_attn.kernels.online import LOG2E
+from pallas_attn.kernels.parallel_forward import is_plain_softmax
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.schedule.template import register
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
@@ -86,8 +87,7 @@ def dq_program_rows(analysis, block_q: int, seq_q_pad: int, d_qk: int, d_v: int,
   keep the block mask's rows (192-row mask tiles slowed the causal kernels).
   The last program's rows may end past q's: its consumers past the end only
   turn the ring."""
-  plain = (analysis.score_mod is None and analysis.mask_mod is None and block_mask is None
-           and OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores())
+  plain = analysis.mask_mod is None and block_mask is None and is_plain_softmax(analysis)
   if plain and block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048:
     return WIDE_DQ_ROWS
   return block_q
