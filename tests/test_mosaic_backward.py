@@ -130,6 +130,27 @@ def test_wide_dq_programs(seq_q, seq_kv, kv_heads):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+def test_wide_dq_programs_under_jit_and_vmap():
+  """The wide dq programs as users reach them: gradients of a vmapped call
+  under jit (the mapped axis folded into the batch), against the reference."""
+  q, k, v = qkv(batch=2, seq_q=2100, seq_kv=2100, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=11)
+  do = random((1, *q.shape[:3], v.shape[3]), seed=4)
+
+  def loss(fn, q, k, v):
+    return jnp.sum(jax.vmap(fn)(q, k, v).astype(jnp.float32) * do)
+
+  ours = jax.jit(jax.grad(lambda *x: loss(pa.attention, *x), argnums=(0, 1, 2)))(
+      q[None], k[None], v[None])
+  f32 = [x[None].astype(jnp.float32) for x in (q, k, v)]
+  refs = jax.grad(lambda *x: loss(pa.attention_reference, *x), argnums=(0, 1, 2))(*f32)
+  for name, g, r in zip("qkv", ours, refs):
+    assert not np.isnan(np.asarray(g, np.float32)).any(), name
+    assert_close(g, r, jnp.bfloat16, factor=2.0)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 def test_agrees_with_triton_and_is_deterministic():
   q, k, v = qkv(batch=2, seq_q=1024, seq_kv=1024, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
                 dtype=jnp.bfloat16, seed=3)
@@ -217,11 +238,12 @@ def test_tile_captures_keep_the_backward_on_triton(monkeypatch):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-def test_lse_cotangent():
+@pytest.mark.parametrize("seq", [300, 2100])  # 2100: the wide dq programs
+def test_lse_cotangent(seq):
   """A loss on the returned lse reaches the delta the dq kernel computes."""
-  q, k, v = qkv(batch=B, seq_q=300, seq_kv=300, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+  q, k, v = qkv(batch=B, seq_q=seq, seq_kv=seq, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
                 dtype=jnp.bfloat16, seed=5)
-  weights = random((B, HQ, 300), seed=6)
+  weights = random((B, HQ, seq), seed=6)
 
   def loss(fn, q, k, v):
     out, lse = fn(q, k, v, return_lse=True)
