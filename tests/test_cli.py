@@ -73,10 +73,12 @@ def test_explain_shows_the_configs_of_the_passes_that_run(capsys, monkeypatch):
 
 
 def test_explain_shows_the_dq_programs(capsys):
-  """The backward's dq programs: three consumers where unmasked plain softmax
-  of 128-wide heads has 2k queries or more, else block_q rows."""
+  """The backward's dq programs: three consumers where an unmasked softmax of
+  the score (or of a function of it alone) with 128-wide heads has 2k
+  queries or more, else block_q rows."""
   for variant, seq, rows in (("vanilla", 4096, 192), ("vanilla", 1024, 128),
-                             ("causal", 4096, 128)):
+                             ("causal", 4096, 128), ("softcap", 4096, 192),
+                             ("alibi", 4096, 128)):
     code, out, _ = run(capsys, "explain", variant, "--seq-q", str(seq), "--seq-kv", str(seq),
                        "--d-qk", "128", "--templates", "backward_mosaic")
     assert code == 0 and f"dq programs: {rows} query rows" in out, (variant, seq, out)

@@ -65,6 +65,7 @@ VARIANTS = {
     "window": variants.sliding_window(96),
     "alibi_causal": variants.alibi(num_heads=HQ) + variants.causal(),
     "softcap": variants.softcap(30.0),
+    "alibi": variants.alibi(num_heads=HQ),
     "sinks": variants.sink(jnp.zeros((HQ,))),
 }
 
@@ -77,15 +78,16 @@ def test_mosaic_forward_and_backward_lower(name, on_hopper):
 
 
 def test_wide_dq_programs_lower(on_hopper, monkeypatch):
-  """Unmasked plain softmax from 2k queries lowers three-consumer dq programs,
-  the last one's rows ending past q's (2100 queries pad to 2176); a masked
-  call keeps the block mask's 128 rows."""
+  """Unmasked softmax of the score (or of a function of the score alone:
+  softcap) from 2k queries lowers three-consumer dq programs, the last one's
+  rows ending past q's (2100 queries pad to 2176); a masked call and a bias
+  of the positions (ALiBi) keep 128 rows."""
   from pallas_attn.vjp import mosaic_backward
   rule, chosen = mosaic_backward.dq_program_rows, []
   monkeypatch.setattr(mosaic_backward, "dq_program_rows",
                       lambda *args: chosen.append(rule(*args)) or chosen[-1])
   shapes = [jax.ShapeDtypeStruct((1, 2100, heads, 128), jnp.bfloat16) for heads in (HQ, HKV, HKV)]
-  for name, rows in (("vanilla", 192), ("causal", 128)):
+  for name, rows in (("vanilla", 192), ("softcap", 192), ("causal", 128), ("alibi", 128)):
     chosen.clear()
     _lowered(_gradients("mosaic_gpu", VARIANTS[name].kwargs()), *shapes)
     assert chosen == [rows], name

@@ -119,13 +119,17 @@ def test_shapes(seq_q, seq_kv, d_qk, d_v, kv_heads, masked):
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_q,seq_kv,kv_heads", [(2100, 1900, HKV), (2304, 2304, 1)])
-def test_wide_dq_programs(seq_q, seq_kv, kv_heads):
-  """Three-consumer dq programs (unmasked plain softmax from 2k queries): 2100
-  queries pad to 2176, so the last program's third consumer lies past q's
-  end and only turns the ring; 2304 fill twelve programs."""
+@pytest.mark.parametrize("score", ["plain", "softcap"])
+def test_wide_dq_programs(seq_q, seq_kv, kv_heads, score):
+  """Three-consumer dq programs (unmasked softmax of the score, or of a
+  function of it alone: a softcap whose cap is a captured array, from 2k
+  queries): 2100 queries pad to 2176, so the last program's third consumer
+  lies past q's end and only turns the ring; 2304 fill twelve programs."""
   q, k, v = qkv(batch=2, seq_q=seq_q, seq_kv=seq_kv, heads=HQ, kv_heads=kv_heads, d_qk=128,
                 d_v=128, dtype=jnp.bfloat16, seed=seq_q)
-  _check(q, k, v, {})
+  cap = jnp.float32(20.0)
+  kw = {} if score == "plain" else {"score_mod": lambda s, b, h, qi, ki: cap * jnp.tanh(s / cap)}
+  _check(q, k, v, kw)
 
 
 @pytest.mark.hopper

@@ -8,7 +8,8 @@ rows each, fed by a producer warpgroup that streams 64-row tiles of the other
 side by TMA through a ring of `num_stages` shared-memory slots:
 
 * dq: a program owns block_q queries of one head (192, three consumers, on
-  unmasked plain softmax: `dq_program_rows`) and streams K and V tiles;
+  an unmasked softmax of the score or of a function of it alone:
+  `dq_program_rows`) and streams K and V tiles;
   per step S = Q K^T, dP = dO V^T, dS, then dQ += dS K.
 * dk/dv: a program owns block_k keys of one kv head and streams, for each
   query head of its GQA group, Q, dO and the row terms; per step the
@@ -39,8 +40,7 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.mosaic_forward import MosaicTemplate
-from pallas_attn.kernels.online import LOG2E
-from pallas_attn.kernels.parallel_forward import is_plain_softmax
+from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.schedule.template import register
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
@@ -80,15 +80,20 @@ def ring_depths(config: AttentionConfig, d_qk: int, d_v: int, itemsize: int,
 def dq_program_rows(analysis, block_q: int, seq_q_pad: int, d_qk: int, d_v: int,
                     block_mask=None) -> int:
   """The query rows a dq program owns: block_q, or WIDE_DQ_ROWS (three
-  consumers, 160 registers each) on an unmasked plain softmax of 128-wide
-  heads from 2k padded queries: there the dq kernel ran 2-6% faster beside
-  the same dk/dv kernel, forward+backward equal at B4 S4096 and 1-2% faster
-  at 2k, 8k and 16k (one H200, `benchmarks/results/NOTES.md`). Masked calls
+  consumers, 160 registers each) on an unmasked softmax of the scores or of
+  a function of the score alone (softcap) with 128-wide heads from 2k padded
+  queries. One H200, same process, dq kernel ms: plain 1.098 -> 1.073 (B4
+  S4096), 4.48 -> 4.23 (B1 S16384), forward+backward equal at 4k and 1-2%
+  faster at 2k / 8k / 16k; softcap 1.525 -> 1.429, 6.14 -> 5.56
+  (forward+backward 2%); ALiBi, whose bias vectors take registers, slower
+  (1.145 -> 1.174, 4.51 -> 4.61: `benchmarks/results/NOTES.md`). Masked calls
   keep the block mask's rows (192-row mask tiles slowed the causal kernels).
   The last program's rows may end past q's: its consumers past the end only
   turn the ring."""
-  plain = analysis.mask_mod is None and block_mask is None and is_plain_softmax(analysis)
-  if plain and block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048:
+  score_alone = analysis.score_mod is None or analysis.score_mod.deps <= {"score"}
+  wide = (analysis.mask_mod is None and block_mask is None and score_alone
+          and OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores())
+  if wide and block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048:
     return WIDE_DQ_ROWS
   return block_q
 
@@ -99,7 +104,8 @@ def describe_dq_programs(analysis, config: AttentionConfig, seq_q: int, d_qk: in
   rows = dq_program_rows(analysis, config.block_q, -(-seq_q // config.block_q) * config.block_q,
                          d_qk, d_v)
   return (f"dq programs: {rows} query rows, {rows // SUB} consumer warpgroups"
-          + (" (unmasked plain softmax, 128-wide heads, 2k+ queries)" if rows != config.block_q
+          + (" (unmasked softmax of the score or a function of it alone, 128-wide heads,"
+             " 2k+ queries)" if rows != config.block_q
              else ""))
 
 
