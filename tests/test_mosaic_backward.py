@@ -155,6 +155,21 @@ def test_wide_dq_programs_under_jit_and_vmap():
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+def test_dkv_programs_without_visits():
+  """Keys no query sees: their dk/dv programs walk no step, and the first
+  consumer still lets the second start (the staggered starts), so the
+  kernel ends with zero gradients there."""
+  q, k, v = qkv(batch=B, seq_q=333, seq_kv=333, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
+                dtype=jnp.bfloat16, seed=13)
+  kw = {"mask_mod": lambda b, h, qi, ki: ki < 100}
+  assert _lowering(kw).backward == "mosaic_gpu"
+  grads = _check(q, k, v, kw)
+  for g in grads[1:]:
+    assert not np.asarray(g[:, 128:], np.float32).any()
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 def test_agrees_with_triton_and_is_deterministic():
   q, k, v = qkv(batch=2, seq_q=1024, seq_kv=1024, heads=HQ, kv_heads=HKV, d_qk=128, d_v=128,
                 dtype=jnp.bfloat16, seed=3)

@@ -15,7 +15,11 @@ side by TMA through a ring of `num_stages` shared-memory slots:
   query head of its GQA group, Q, dO and the row terms; per step the
   transposed tile S^T = K Q^T, dP^T = V dO^T, the weights P^T and dS^T,
   then dV += P^T dO and dK += dS^T Q (wgmma takes the register operand on
-  the left, so the program's own rows must be the tile's rows).
+  the left, so the program's own rows must be the tile's rows). Its
+  consumers start staggered, each once the one before has its first S^T and
+  dP^T, so that one's elementwise work runs beside the other's products
+  rather than in lockstep (dk/dv kernel 0.5-5% faster, gradients bitwise
+  equal; one H200, `benchmarks/results/NOTES.md`).
 
 Visits come from the block mask at (block_q, block_k) (or every block, as
 the Triton passes); each visited block is streamed in 64-row sub-steps.
@@ -279,7 +283,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
   rows_ref = row_refs[0] if row_refs else None
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, *rest) = rest
   rows_smem = rest.pop(0) if rows_ref is not None else None
-  k_ready, v_ready, ready, free = rest
+  k_ready, v_ready, ready, free, *lag = rest
   dtype = q_ref.dtype
   consumers = plan.block_k // SUB
   sub_steps = plan.block_q // SUB
@@ -338,6 +342,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
     kv_idx = mb.tile_indices(kv_start, (SUB, SUB), 0)
     mb.plgpu.barrier_wait(k_ready.at[wg])
     mb.plgpu.barrier_wait(v_ready.at[wg])
+    if lag:  # staggered starts (`_dkv_kernel`'s lag)
+      pl.when(wg > 0)(lambda: mb.plgpu.barrier_wait(lag[0].at[jnp.maximum(wg, 1) - 1]))
 
     def head(h, acc, step):
       tile = dataclasses.replace(plan.kv_tile, loader=mb.capture_loader(b, h, "kv", kv_start, SUB)
@@ -355,6 +361,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
         mb.plgpu.barrier_wait(ready.at[slot])  # q, dO and the row terms
 
         s, dp = mb.products(((k_tile, q_slot), (v_tile, do_slot)), (SUB, SUB))
+        if lag:  # this consumer's first products are done: the next one starts
+          pl.when(jnp.logical_and(wg < consumers - 1, step == 0))(
+              lambda: mb.plgpu.barrier_arrive(lag[0].at[wg]))
         rows = ()
         if rows_ref is not None:
           rows = [mb.load_ref(rows_smem.at[slot, n], layout=mb.plgpu.Layout.WGMMA.reduce(0))
@@ -390,7 +399,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
       return mb.fold_visits(visits_of(h), visit, acc, step, sub_steps=sub_steps)
 
     init = (_zeros(SUB, k_ref.shape[-1]), _zeros(SUB, v_ref.shape[-1]))
-    (dk, dv), _ = over_heads(head, init)
+    (dk, dv), steps = over_heads(head, init)
+    if lag:  # a program without steps lets the next consumer go all the same
+      pl.when(jnp.logical_and(wg < consumers - 1, steps == 0))(
+          lambda: mb.plgpu.barrier_arrive(lag[0].at[wg]))
     k_tile[...] = (dk * plan.scale).astype(dtype)
     v_tile[...] = dv.astype(dtype)
     mb.plgpu.commit_smem()
@@ -482,6 +494,7 @@ def backward(q, k, v, d_out, rows, capture_arrays, block_mask, *, plan: Backward
           barriers(consumers), barriers(consumers),
           barriers(stages, 3 if row_terms else 2),  # q, dO (and row terms) arrive
           barriers(stages, consumers),
+          *([barriers(consumers - 1)] if consumers > 1 else []),  # the staggered starts
       ],
       grid=(kv_heads, num_kv_blocks, batch),  # heads fastest (+2-5% f+b, H200 A/B)
       grid_names=("h", "kv", "b"),
