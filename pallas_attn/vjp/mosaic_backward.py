@@ -342,7 +342,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
     kv_idx = mb.tile_indices(kv_start, (SUB, SUB), 0)
     mb.plgpu.barrier_wait(k_ready.at[wg])
     mb.plgpu.barrier_wait(v_ready.at[wg])
-    if lag:  # staggered starts (`_dkv_kernel`'s lag)
+    if lag:  # start once the previous consumer has its first products (module docstring)
       pl.when(wg > 0)(lambda: mb.plgpu.barrier_wait(lag[0].at[jnp.maximum(wg, 1) - 1]))
 
     def head(h, acc, step):
