@@ -487,7 +487,6 @@ AUTODIFF_REWRITES = {
 }
 
 
-
 def turn_ring(visits, stages: int, slots, step=0, sub_steps: int = 1) -> None:
   """The walk of a consumer whose rows lie past q's end: at each of the
   visits' steps it waits for each `(ready, frees)` barrier pair's slot to be
@@ -502,6 +501,7 @@ def turn_ring(visits, stages: int, slots, step=0, sub_steps: int = 1) -> None:
         plgpu.barrier_arrive(free_.at[slot])
     return carry
   fold_visits(visits, free, None, step=step, sub_steps=sub_steps)
+
 
 def lowerable(fn):
   """`fn()` with the primitives of AUTODIFF_REWRITES bound as Mosaic GPU

@@ -37,10 +37,15 @@ from pallas_attn.spec.analysis import VariantAnalysis
 BLOCK_CHOICES = (16, 32, 64, 128, 256)  # block_q and block_k searched
 
 
+def softmax_of_logits(analysis: VariantAnalysis) -> bool:
+  """Softmax of score_mod's output itself (the scores where there is none):
+  no pre-map of the logits."""
+  return OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores()
+
+
 def is_plain_softmax(analysis: VariantAnalysis) -> bool:
   """Softmax of the scores themselves: no score_mod, no pre-map of the logits."""
-  return (analysis.score_mod is None
-          and OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores())
+  return analysis.score_mod is None and softmax_of_logits(analysis)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from pallas_attn.kernels import lowering as lowering_lib
 from pallas_attn.kernels import mosaic_backend as mb
 from pallas_attn.kernels.mosaic_forward import MosaicTemplate
-from pallas_attn.kernels.online import LOG2E, OnlineRowNorm
+from pallas_attn.kernels.online import LOG2E
+from pallas_attn.kernels.parallel_forward import softmax_of_logits
 from pallas_attn.schedule.config import AttentionConfig
 from pallas_attn.schedule.template import register
 from pallas_attn.vjp.parallel_backward import (BackwardPlan, softmax_lse2,
@@ -96,7 +97,7 @@ def dq_program_rows(analysis, block_q: int, seq_q_pad: int, d_qk: int, d_v: int,
   turn the ring."""
   score_alone = analysis.score_mod is None or analysis.score_mod.deps <= {"score"}
   wide = (analysis.mask_mod is None and block_mask is None and score_alone
-          and OnlineRowNorm(analysis.rownorm, False, False).logits_are_scores())
+          and softmax_of_logits(analysis))
   if wide and block_q == 128 and (d_qk, d_v) == (128, 128) and seq_q_pad >= 2048:
     return WIDE_DQ_ROWS
   return block_q
@@ -345,6 +346,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
     if lag:  # start once the previous consumer has its first products (module docstring)
       pl.when(wg > 0)(lambda: mb.plgpu.barrier_wait(lag[0].at[jnp.maximum(wg, 1) - 1]))
 
+    def release_next(step):
+      """Lets the next consumer start once this one's step `step` is 0: its
+      first products are done, or it has no steps at all."""
+      if lag:
+        pl.when(jnp.logical_and(wg < consumers - 1, step == 0))(
+            lambda: mb.plgpu.barrier_arrive(lag[0].at[wg]))
+
     def head(h, acc, step):
       tile = dataclasses.replace(plan.kv_tile, loader=mb.capture_loader(b, h, "kv", kv_start, SUB)
                                  ).with_program_loads(cap_refs)
@@ -361,9 +369,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
         mb.plgpu.barrier_wait(ready.at[slot])  # q, dO and the row terms
 
         s, dp = mb.products(((k_tile, q_slot), (v_tile, do_slot)), (SUB, SUB))
-        if lag:  # this consumer's first products are done: the next one starts
-          pl.when(jnp.logical_and(wg < consumers - 1, step == 0))(
-              lambda: mb.plgpu.barrier_arrive(lag[0].at[wg]))
+        release_next(step)
         rows = ()
         if rows_ref is not None:
           rows = [mb.load_ref(rows_smem.at[slot, n], layout=mb.plgpu.Layout.WGMMA.reduce(0))
@@ -400,9 +406,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, *refs, plan: BackwardPlan, stages: 
 
     init = (_zeros(SUB, k_ref.shape[-1]), _zeros(SUB, v_ref.shape[-1]))
     (dk, dv), steps = over_heads(head, init)
-    if lag:  # a program without steps lets the next consumer go all the same
-      pl.when(jnp.logical_and(wg < consumers - 1, steps == 0))(
-          lambda: mb.plgpu.barrier_arrive(lag[0].at[wg]))
+    release_next(steps)  # a program without steps lets the next consumer go all the same
     k_tile[...] = (dk * plan.scale).astype(dtype)
     v_tile[...] = dv.astype(dtype)
     mb.plgpu.commit_smem()
