@@ -16,13 +16,26 @@ def _cpu_only() -> bool:
           and not importlib.metadata.entry_points(group="jax_plugins"))
 
 
-# Interpret-mode kernels are large XLA CPU programs that run for milliseconds on the
-# tests' shapes: LLVM's optimizations took about half of their compilation time and
-# bought nothing. XLA reads the flag when JAX starts its backends (ON_GPU below), in
-# each pytest-xdist worker; test_distributed.py passes it on to its subprocesses.
-if _cpu_only() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(
-      filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+def _add_xla_flag(flag: str):
+  """`--name=value` added to XLA_FLAGS unless they set that name already."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if flag.split("=")[0] not in flags:
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [flags, flag]))
+
+
+# XLA reads its flags when JAX starts its backends (ON_GPU below), in each
+# pytest-xdist worker; test_distributed.py passes them on to its subprocesses.
+if _cpu_only():
+  # Interpret-mode kernels are large XLA CPU programs that run for milliseconds on
+  # the tests' shapes: LLVM's optimizations took about half of their compilation
+  # time and bought nothing.
+  _add_xla_flag("--xla_backend_optimization_level=0")
+else:
+  # XLA autotunes the kernel of each new dot it compiles for a GPU: the float32
+  # references' gradients took 11 s each to compile for an H200, 0.6-1.5 s without
+  # (2026-11-28). The tests time nothing, and XLA does not autotune our kernels
+  # (custom calls).
+  _add_xla_flag("--xla_gpu_autotune_level=0")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402

@@ -1,0 +1,174 @@
+"""Random compositions of variants at random odd shapes against the float32
+reference: outputs and gradients, and fp8 forwards against the dequantized
+reference.
+
+The other suites test each variant, shape class and kernel path on chosen
+cases; here each seed draws them together, as users combine them: lengths
+on either side of the compiled kernels' block edges (64, 128, 192 rows),
+Sq != Skv, GQA, Dqk != Dv, head dims of both backward lowerings, 16-bit
+dtypes, and up to four of the built-in variants and arrays closed over
+(a relative-position table, per-(batch, head) biases, a key padding mask),
+with sinks or an elementwise rownorm. Compiled (`gpu`) at lengths up to
+600; in interpret mode four seeds at short lengths keep the drawing itself
+tested on CPU.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn as pa
+from conftest import assert_close, random
+from test_attention_backward import assert_gradient_close
+from pallas_attn import variants as V
+
+COMPILED_SEEDS = range(32)
+INTERPRETED_SEEDS = range(4)
+EDGES = (64, 128, 192, 256, 384, 512)  # the compiled kernels' row and key block multiples
+# The reference runs on the host: its gradient's XLA program took 16-17 s to
+# compile for an H200 (against 2-6 s for our first forward and gradient calls).
+HOST = jax.devices("cpu")[0]
+
+
+def on_host(fn, *args):
+  """`fn(*args)` compiled and run on the host."""
+  with jax.default_device(HOST):
+    return jax.jit(fn)(*(jax.device_put(x, HOST) for x in args))
+
+
+def _length(rng, short: bool) -> int:
+  if short:
+    return int(rng.integers(1, 70))
+  if rng.random() < 0.5:  # next to a block edge
+    return int(max(1, rng.choice(EDGES) + rng.integers(-2, 3)))
+  return int(rng.integers(1, 601))
+
+
+def _segment_ids(rng, batch: int, length: int):
+  """Sorted document ids, `[B, length]`, a few documents a row."""
+  cuts = np.sort(rng.integers(0, length + 1, (batch, int(rng.integers(1, 5)))), axis=1)
+  return jnp.asarray((np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+
+
+def _components(rng, batch, heads, seq_q, seq_kv, elementwise: bool) -> dict:
+  """Each candidate variant by name (built on demand from `rng`)."""
+  offset = seq_kv - seq_q
+  table = jnp.asarray(rng.standard_normal((heads, 2 * 64 + 1)), jnp.float32)
+  head_bias = jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
+  padded = jnp.asarray(np.arange(seq_kv)[None, :] < rng.integers(1, seq_kv + 1, (batch, 1)))
+
+  def relative_table(s, b, h, q_idx, kv_idx):
+    return s + table[h, jnp.clip(q_idx + offset - kv_idx, -64, 64) + 64]
+
+  def document():
+    if seq_q == seq_kv:
+      return V.document(_segment_ids(rng, batch, seq_kv), causal=bool(rng.random() < 0.5))
+    kv_ids = _segment_ids(rng, batch, seq_kv)
+    q_ids = (kv_ids[:, offset:] if offset >= 0 else
+             jnp.pad(kv_ids, ((0, 0), (0, -offset)), mode="edge"))
+    return V.document(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+  return {
+      "causal": lambda: V.causal(seq_q=seq_q, seq_kv=seq_kv),
+      "window": lambda: V.sliding_window(int(rng.integers(1, 300)), bool(rng.random() < 0.7),
+                                         seq_q=seq_q, seq_kv=seq_kv),
+      "document": document,
+      "prefix_lm": lambda: V.prefix_lm(jnp.asarray(rng.integers(0, seq_kv + 1, (batch,))),
+                                       seq_q=seq_q, seq_kv=seq_kv),
+      "alibi": lambda: V.alibi(num_heads=heads, seq_q=seq_q, seq_kv=seq_kv),
+      "softcap": lambda: V.softcap(float(rng.uniform(2.0, 50.0))),
+      "relative_table": lambda: V.Variant("relative_table", score_mod=relative_table),
+      "head_bias": lambda: V.Variant(
+          "head_bias", score_mod=lambda s, b, h, q_idx, kv_idx: s + head_bias[b, h]),
+      "key_padding": lambda: V.Variant(
+          "key_padding", mask_mod=lambda b, h, q_idx, kv_idx: padded[b, kv_idx]),
+      **({} if not elementwise else {
+          "sigmoid": lambda: V.sigmoid(seq_kv=seq_kv), "relu": lambda: V.relu(seq_kv=seq_kv)}),
+  }
+
+
+@functools.lru_cache(maxsize=None)
+def draw(seed: int, short: bool, fp8: bool = False):
+  """(description, q, k, v, attention keyword arguments) of seed `seed`."""
+  rng = np.random.default_rng(1000 + seed)
+  batch, kv_heads = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+  heads = kv_heads * int(rng.choice([1, 2, 4]))
+  seq_q = _length(rng, short)
+  seq_kv = seq_q if rng.random() < 0.4 else _length(rng, short)
+  if short:
+    d_qk, d_v = int(rng.choice([8, 16])), int(rng.choice([8, 24]))
+  elif fp8:
+    d_qk = d_v = 128  # the fp8 tensor-core path
+  else:
+    d_qk = int(rng.choice([64, 128, 128, 96, 256]))
+    d_v = d_qk if rng.random() < 0.6 else int(rng.choice([64, 128]))
+  dtype = jnp.bfloat16 if fp8 or rng.random() < 0.7 else jnp.float16
+  elementwise = not fp8 and rng.random() < 0.15
+  candidates = _components(rng, batch, heads, seq_q, seq_kv, elementwise)
+  names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, 5)), replace=False))
+  second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
+  names = [n for n in names if n not in second_rownorms]
+  variant = V.compose(*(candidates[n]() for n in names)) if names else V.Variant("vanilla")
+  kwargs = variant.kwargs()
+  if variant.rownorm == "softmax" and rng.random() < 0.25:
+    kwargs["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    names.append("sinks")
+  shape = dict(batch=batch, seq_q=seq_q, seq_kv=seq_kv, heads=heads, kv_heads=kv_heads,
+               d_qk=d_qk, d_v=d_v, dtype=jnp.dtype(dtype).name)
+  q = random((batch, seq_q, heads, d_qk), dtype, 3 * seed)
+  k = random((batch, seq_kv, kv_heads, d_qk), dtype, 3 * seed + 1)
+  v = random((batch, seq_kv, kv_heads, d_v), dtype, 3 * seed + 2)
+  return f"{'+'.join(names) or 'vanilla'} {shape}", q, k, v, kwargs
+
+
+def _cases():
+  return ([pytest.param(s, True, id=f"short{s}-interpret") for s in INTERPRETED_SEEDS]
+          + [pytest.param(s, False, id=f"seed{s}-compiled", marks=pytest.mark.gpu)
+             for s in COMPILED_SEEDS])
+
+
+@pytest.mark.parametrize("seed,interpret", _cases())
+def test_random_composition(seed, interpret):
+  """Output and gradients of q, k, v against `jax.grad` of the reference."""
+  what, q, k, v, kwargs = draw(seed, short=interpret)
+  dtype = q.dtype.type
+  cotangent = random((*q.shape[:3], v.shape[3]), seed=99)
+
+  def ours(q, k, v):
+    out = pa.attention(q, k, v, interpret=interpret, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+  def reference(q, k, v, cotangent):
+    out = pa.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs)
+    return jnp.sum(out * cotangent), out
+
+  (_, out), grads = jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  (_, want), want_grads = on_host(
+      jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True), q, k, v, cotangent)
+  assert out.dtype == dtype, what
+  try:
+    assert_close(out, want, dtype)
+    for got, wanted in zip(grads, want_grads):
+      assert got.dtype == dtype
+      assert_gradient_close(got, wanted, cotangent, dtype, factor=2.0)
+  except AssertionError as error:
+    raise AssertionError(f"{what}: {error}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(8))
+def test_random_composition_fp8(seed):
+  """e4m3 q, k, v (per-head descales) against the reference on their
+  dequantized values, within the tensor-core path's bound of the fp8 suite."""
+  what, q, k, v, kwargs = draw(seed, short=False, fp8=True)
+  quantized = [pa.quantize_fp8(x) for x in (q, k, v)]
+  (q8, qd), (k8, kd), (v8, vd) = quantized
+  out = pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
+  real = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in quantized]
+  want = on_host(lambda q, k, v: pa.attention_reference(q, k, v, **kwargs), *real)
+  try:
+    assert_close(out, want, jnp.bfloat16, factor=4)
+  except AssertionError as error:
+    raise AssertionError(f"{what}: {error}") from None
