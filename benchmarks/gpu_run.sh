@@ -9,7 +9,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 if [ -n "${1:-}" ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider $1 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 $1 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [ -n "${2:-}" ]; then
   eval "$2" 2>&1 | tee "$OUT/bench.log"
