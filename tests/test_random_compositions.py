@@ -105,7 +105,7 @@ def draw(seed: int, short: bool, fp8: bool = False):
     d_qk = int(rng.choice([64, 128, 128, 96, 256]))
     d_v = d_qk if rng.random() < 0.6 else int(rng.choice([64, 128]))
   dtype = jnp.bfloat16 if fp8 or rng.random() < 0.7 else jnp.float16
-  elementwise = not fp8 and rng.random() < 0.15
+  elementwise = rng.random() < 0.15
   candidates = _components(rng, batch, heads, seq_q, seq_kv, elementwise)
   names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, 5)), replace=False))
   second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
@@ -170,5 +170,97 @@ def test_random_composition_fp8(seed):
   want = on_host(lambda q, k, v: pa.attention_reference(q, k, v, **kwargs), *real)
   try:
     assert_close(out, want, jnp.bfloat16, factor=4)
+  except AssertionError as error:
+    raise AssertionError(f"{what}: {error}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def draw_decode(seed: int, short: bool, cache: str):
+  """(description, q, k cache, v cache, kv_lengths, attention keyword
+  arguments) of seed `seed`; `cache` "bf16", "fp8" or "paged". The variants
+  see absolute positions, as decoding gives them."""
+  rng = np.random.default_rng(2000 + seed)
+  batch, kv_heads = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+  heads = kv_heads * int(rng.choice([1, 2, 4, 8]))
+  seq_q = int(rng.choice([1, 1, 2, 4, 16]))
+  max_length = int(rng.integers(seq_q, 70 if short else 3000))
+  lengths = jnp.asarray(rng.integers(seq_q, max_length + 1, (batch,)), jnp.int32)
+  d = 16 if short else int(rng.choice([64, 128, 128, 256]))
+  d_v = d if cache == "fp8" or rng.random() < 0.7 else int(rng.choice([64, 128]))
+  elementwise = rng.random() < 0.15
+  candidates = _components(rng, batch, heads, max_length, max_length, elementwise)
+  names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, 4)), replace=False))
+  second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
+  names = [n for n in names if n not in second_rownorms]
+  variant = V.compose(*(candidates[n]() for n in names)) if names else V.Variant("vanilla")
+  kwargs = variant.kwargs()
+  if variant.rownorm == "softmax" and rng.random() < 0.25:
+    kwargs["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    names.append("sinks")
+  shape = dict(batch=batch, seq_q=seq_q, max_length=max_length, lengths=lengths.tolist(),
+               heads=heads, kv_heads=kv_heads, d=d, d_v=d_v, cache=cache)
+  q = random((batch, seq_q, heads, d), jnp.bfloat16, 3 * seed)
+  k = random((batch, max_length, kv_heads, d), jnp.bfloat16, 3 * seed + 1)
+  v = random((batch, max_length, kv_heads, d_v), jnp.bfloat16, 3 * seed + 2)
+  return f"{'+'.join(names) or 'vanilla'} {shape}", q, k, v, lengths, kwargs
+
+
+def decode_reference(q, k, v, lengths, *, score_mod=None, mask_mod=None, **kwargs):
+  """The float32 reference with query i of sequence b at position
+  `lengths[b] - Sq + i` and the keys from `lengths[b]` on masked."""
+  seq_q = q.shape[1]
+  position = lambda b, q_idx: lengths[b] - seq_q + q_idx
+
+  def mask(b, h, q_idx, kv_idx):
+    keep = kv_idx < lengths[b]
+    return keep if mask_mod is None else keep & mask_mod(b, h, position(b, q_idx), kv_idx)
+
+  score = None if score_mod is None else (
+      lambda s, b, h, q_idx, kv_idx: score_mod(s, b, h, position(b, q_idx), kv_idx))
+  return pa.attention_reference(q, k, v, score_mod=score, mask_mod=mask, **kwargs)
+
+
+def _paged(x, rng, page_size: int):
+  """`x` `[B, S, H, D]` as shuffled pages and their table."""
+  batch, length = x.shape[:2]
+  per_row = -(-length // page_size)
+  x = jnp.pad(x, ((0, 0), (0, per_row * page_size - length), (0, 0), (0, 0)))
+  order = rng.permutation(batch * per_row)
+  pages = jnp.zeros((batch * per_row, page_size, *x.shape[2:]), x.dtype)
+  pages = pages.at[order].set(x.reshape(batch * per_row, page_size, *x.shape[2:]))
+  return pages, jnp.asarray(order.reshape(batch, per_row), jnp.int32)
+
+
+def _decode_cases():
+  return [pytest.param(s, cache, True, id=f"short{s}-{cache}-interpret")
+          for s in range(2) for cache in ("bf16", "fp8", "paged")] + [
+              pytest.param(s, cache, False, id=f"seed{s}-{cache}-compiled",
+                           marks=pytest.mark.gpu)
+              for s in range(12) for cache in ("bf16", "fp8", "paged")]
+
+
+@pytest.mark.parametrize("seed,cache,interpret", _decode_cases())
+def test_random_decode(seed, cache, interpret):
+  """`decode_attention` (or `paged_attention`) on a random composition,
+  ragged lengths and a bf16, fp8 or paged cache, against the reference on
+  the cache's real values."""
+  what, q, k, v, lengths, kwargs = draw_decode(seed, interpret, cache)
+  descales = {}
+  if cache == "fp8":
+    (k, k_descale), (v, v_descale) = pa.quantize_fp8(k), pa.quantize_fp8(v)
+    descales = dict(k_descale=k_descale, v_descale=v_descale)
+    real = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in ((k, k_descale),
+                                                                     (v, v_descale))]
+  else:
+    real = [k, v]
+  if cache == "paged":
+    (k_pages, table), (v_pages, _) = (_paged(x, np.random.default_rng(seed), 16) for x in (k, v))
+    out = pa.paged_attention(q, k_pages, v_pages, table, lengths, interpret=interpret, **kwargs)
+  else:
+    out = pa.decode_attention(q, k, v, lengths, interpret=interpret, **descales, **kwargs)
+  want = on_host(lambda q, k, v, lengths: decode_reference(
+      *(x.astype(jnp.float32) for x in (q, k, v)), lengths, **kwargs), q, *real, lengths)
+  try:
+    assert_close(out, want, jnp.bfloat16)
   except AssertionError as error:
     raise AssertionError(f"{what}: {error}") from None
