@@ -89,6 +89,28 @@ def _components(rng, batch, heads, seq_q, seq_kv, elementwise: bool) -> dict:
   }
 
 
+def _random_variant(rng, batch, heads, seq_q, seq_kv, *, most: int):
+  """(its name, `attention` keyword arguments) of up to `most` candidate
+  variants composed (at most one rownorm other than softmax), with sinks
+  on a quarter of the softmax ones."""
+  elementwise = rng.random() < 0.15
+  candidates = _components(rng, batch, heads, seq_q, seq_kv, elementwise)
+  names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, most + 1)),
+                            replace=False))
+  second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
+  names = [n for n in names if n not in second_rownorms]
+  variant = V.compose(*(candidates[n]() for n in names)) if names else V.Variant("vanilla")
+  kwargs = variant.kwargs()
+  if variant.rownorm == "softmax" and rng.random() < 0.25:
+    kwargs["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    names.append("sinks")
+  return "+".join(names) or "vanilla", kwargs
+
+
+def _random_qkv(seed: int, dtype, *shapes):
+  return tuple(random(shape, dtype, 3 * seed + i) for i, shape in enumerate(shapes))
+
+
 @functools.lru_cache(maxsize=None)
 def draw(seed: int, short: bool, fp8: bool = False):
   """(description, q, k, v, attention keyword arguments) of seed `seed`."""
@@ -105,22 +127,12 @@ def draw(seed: int, short: bool, fp8: bool = False):
     d_qk = int(rng.choice([64, 128, 128, 96, 256]))
     d_v = d_qk if rng.random() < 0.6 else int(rng.choice([64, 128]))
   dtype = jnp.bfloat16 if fp8 or rng.random() < 0.7 else jnp.float16
-  elementwise = rng.random() < 0.15
-  candidates = _components(rng, batch, heads, seq_q, seq_kv, elementwise)
-  names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, 5)), replace=False))
-  second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
-  names = [n for n in names if n not in second_rownorms]
-  variant = V.compose(*(candidates[n]() for n in names)) if names else V.Variant("vanilla")
-  kwargs = variant.kwargs()
-  if variant.rownorm == "softmax" and rng.random() < 0.25:
-    kwargs["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-    names.append("sinks")
+  name, kwargs = _random_variant(rng, batch, heads, seq_q, seq_kv, most=4)
   shape = dict(batch=batch, seq_q=seq_q, seq_kv=seq_kv, heads=heads, kv_heads=kv_heads,
                d_qk=d_qk, d_v=d_v, dtype=jnp.dtype(dtype).name)
-  q = random((batch, seq_q, heads, d_qk), dtype, 3 * seed)
-  k = random((batch, seq_kv, kv_heads, d_qk), dtype, 3 * seed + 1)
-  v = random((batch, seq_kv, kv_heads, d_v), dtype, 3 * seed + 2)
-  return f"{'+'.join(names) or 'vanilla'} {shape}", q, k, v, kwargs
+  q, k, v = _random_qkv(seed, dtype, (batch, seq_q, heads, d_qk),
+                        (batch, seq_kv, kv_heads, d_qk), (batch, seq_kv, kv_heads, d_v))
+  return f"{name} {shape}", q, k, v, kwargs
 
 
 def _cases():
@@ -187,22 +199,12 @@ def draw_decode(seed: int, short: bool, cache: str):
   lengths = jnp.asarray(rng.integers(seq_q, max_length + 1, (batch,)), jnp.int32)
   d = 16 if short else int(rng.choice([64, 128, 128, 256]))
   d_v = d if cache == "fp8" or rng.random() < 0.7 else int(rng.choice([64, 128]))
-  elementwise = rng.random() < 0.15
-  candidates = _components(rng, batch, heads, max_length, max_length, elementwise)
-  names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, 4)), replace=False))
-  second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
-  names = [n for n in names if n not in second_rownorms]
-  variant = V.compose(*(candidates[n]() for n in names)) if names else V.Variant("vanilla")
-  kwargs = variant.kwargs()
-  if variant.rownorm == "softmax" and rng.random() < 0.25:
-    kwargs["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-    names.append("sinks")
+  name, kwargs = _random_variant(rng, batch, heads, max_length, max_length, most=3)
   shape = dict(batch=batch, seq_q=seq_q, max_length=max_length, lengths=lengths.tolist(),
                heads=heads, kv_heads=kv_heads, d=d, d_v=d_v, cache=cache)
-  q = random((batch, seq_q, heads, d), jnp.bfloat16, 3 * seed)
-  k = random((batch, max_length, kv_heads, d), jnp.bfloat16, 3 * seed + 1)
-  v = random((batch, max_length, kv_heads, d_v), jnp.bfloat16, 3 * seed + 2)
-  return f"{'+'.join(names) or 'vanilla'} {shape}", q, k, v, lengths, kwargs
+  q, k, v = _random_qkv(seed, jnp.bfloat16, (batch, seq_q, heads, d),
+                        (batch, max_length, kv_heads, d), (batch, max_length, kv_heads, d_v))
+  return f"{name} {shape}", q, k, v, lengths, kwargs
 
 
 def decode_reference(q, k, v, lengths, *, score_mod=None, mask_mod=None, **kwargs):
