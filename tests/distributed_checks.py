@@ -27,6 +27,8 @@ from pallas_attn import variants
 from pallas_attn.distributed import ring as ring_lib
 from pallas_attn.schedule.config import AttentionConfig
 
+from random_variants import random_variant  # tests/, this script's folder
+
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
@@ -423,7 +425,18 @@ def context_parallel_cases(num):
       ("sigmoid, batch split too", dict(kwargs=dict(
           rownorm="sigmoid", score_mod=lambda s, b, h, q_idx, kv_idx: s - 2.0 + 0.5 * b),
           split_batch=True)),
+      *random_cases(seq),
   ]
+
+
+def random_cases(seq: int, count: int = 3) -> list:
+  """Random compositions (tests/random_variants.py: built-in variants and
+  arrays closed over, read at global positions, sinks, elementwise rownorms)."""
+  cases = []
+  for seed in range(count):
+    name, kwargs = random_variant(np.random.default_rng(3000 + seed), 2, 4, seq, seq, most=3)
+    cases.append((f"random composition {seed} ({name})", dict(kwargs=kwargs)))
+  return cases
 
 
 def parse_arguments():

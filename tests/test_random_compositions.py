@@ -8,7 +8,8 @@ on either side of the compiled kernels' block edges (64, 128, 192 rows),
 Sq != Skv, GQA, Dqk != Dv, head dims of both backward lowerings, 16-bit
 dtypes, and up to four of the built-in variants and arrays closed over
 (a relative-position table, per-(batch, head) biases, a key padding mask),
-with sinks or an elementwise rownorm. Compiled (`gpu`) at lengths up to
+with sinks or an elementwise rownorm (random_variants.py; the multi-device
+checks draw rings' variants there too). Compiled (`gpu`) at lengths up to
 600; in interpret mode four seeds at short lengths keep the drawing itself
 tested on CPU.
 """
@@ -21,8 +22,8 @@ import pytest
 
 import pallas_attn as pa
 from conftest import assert_close, random
+from random_variants import random_variant
 from test_attention_backward import assert_gradient_close
-from pallas_attn import variants as V
 
 COMPILED_SEEDS = range(32)
 INTERPRETED_SEEDS = range(4)
@@ -46,67 +47,6 @@ def _length(rng, short: bool) -> int:
   return int(rng.integers(1, 601))
 
 
-def _segment_ids(rng, batch: int, length: int):
-  """Sorted document ids, `[B, length]`, a few documents a row."""
-  cuts = np.sort(rng.integers(0, length + 1, (batch, int(rng.integers(1, 5)))), axis=1)
-  return jnp.asarray((np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
-
-
-def _components(rng, batch, heads, seq_q, seq_kv, elementwise: bool) -> dict:
-  """Each candidate variant by name (built on demand from `rng`)."""
-  offset = seq_kv - seq_q
-  table = jnp.asarray(rng.standard_normal((heads, 2 * 64 + 1)), jnp.float32)
-  head_bias = jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
-  padded = jnp.asarray(np.arange(seq_kv)[None, :] < rng.integers(1, seq_kv + 1, (batch, 1)))
-
-  def relative_table(s, b, h, q_idx, kv_idx):
-    return s + table[h, jnp.clip(q_idx + offset - kv_idx, -64, 64) + 64]
-
-  def document():
-    if seq_q == seq_kv:
-      return V.document(_segment_ids(rng, batch, seq_kv), causal=bool(rng.random() < 0.5))
-    kv_ids = _segment_ids(rng, batch, seq_kv)
-    q_ids = (kv_ids[:, offset:] if offset >= 0 else
-             jnp.pad(kv_ids, ((0, 0), (0, -offset)), mode="edge"))
-    return V.document(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-
-  return {
-      "causal": lambda: V.causal(seq_q=seq_q, seq_kv=seq_kv),
-      "window": lambda: V.sliding_window(int(rng.integers(1, 300)), bool(rng.random() < 0.7),
-                                         seq_q=seq_q, seq_kv=seq_kv),
-      "document": document,
-      "prefix_lm": lambda: V.prefix_lm(jnp.asarray(rng.integers(0, seq_kv + 1, (batch,))),
-                                       seq_q=seq_q, seq_kv=seq_kv),
-      "alibi": lambda: V.alibi(num_heads=heads, seq_q=seq_q, seq_kv=seq_kv),
-      "softcap": lambda: V.softcap(float(rng.uniform(2.0, 50.0))),
-      "relative_table": lambda: V.Variant("relative_table", score_mod=relative_table),
-      "head_bias": lambda: V.Variant(
-          "head_bias", score_mod=lambda s, b, h, q_idx, kv_idx: s + head_bias[b, h]),
-      "key_padding": lambda: V.Variant(
-          "key_padding", mask_mod=lambda b, h, q_idx, kv_idx: padded[b, kv_idx]),
-      **({} if not elementwise else {
-          "sigmoid": lambda: V.sigmoid(seq_kv=seq_kv), "relu": lambda: V.relu(seq_kv=seq_kv)}),
-  }
-
-
-def _random_variant(rng, batch, heads, seq_q, seq_kv, *, most: int):
-  """(its name, `attention` keyword arguments) of up to `most` candidate
-  variants composed (at most one rownorm other than softmax), with sinks
-  on a quarter of the softmax ones."""
-  elementwise = rng.random() < 0.15
-  candidates = _components(rng, batch, heads, seq_q, seq_kv, elementwise)
-  names = sorted(rng.choice(sorted(candidates), size=int(rng.integers(0, most + 1)),
-                            replace=False))
-  second_rownorms = [n for n in names if n in ("sigmoid", "relu")][1:]
-  names = [n for n in names if n not in second_rownorms]
-  variant = V.compose(*(candidates[n]() for n in names)) if names else V.Variant("vanilla")
-  kwargs = variant.kwargs()
-  if variant.rownorm == "softmax" and rng.random() < 0.25:
-    kwargs["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-    names.append("sinks")
-  return "+".join(names) or "vanilla", kwargs
-
-
 def _random_qkv(seed: int, dtype, *shapes):
   return tuple(random(shape, dtype, 3 * seed + i) for i, shape in enumerate(shapes))
 
@@ -127,7 +67,7 @@ def draw(seed: int, short: bool, fp8: bool = False):
     d_qk = int(rng.choice([64, 128, 128, 96, 256]))
     d_v = d_qk if rng.random() < 0.6 else int(rng.choice([64, 128]))
   dtype = jnp.bfloat16 if fp8 or rng.random() < 0.7 else jnp.float16
-  name, kwargs = _random_variant(rng, batch, heads, seq_q, seq_kv, most=4)
+  name, kwargs = random_variant(rng, batch, heads, seq_q, seq_kv, most=4)
   shape = dict(batch=batch, seq_q=seq_q, seq_kv=seq_kv, heads=heads, kv_heads=kv_heads,
                d_qk=d_qk, d_v=d_v, dtype=jnp.dtype(dtype).name)
   q, k, v = _random_qkv(seed, dtype, (batch, seq_q, heads, d_qk),
@@ -199,7 +139,7 @@ def draw_decode(seed: int, short: bool, cache: str):
   lengths = jnp.asarray(rng.integers(seq_q, max_length + 1, (batch,)), jnp.int32)
   d = 16 if short else int(rng.choice([64, 128, 128, 256]))
   d_v = d if cache == "fp8" or rng.random() < 0.7 else int(rng.choice([64, 128]))
-  name, kwargs = _random_variant(rng, batch, heads, max_length, max_length, most=3)
+  name, kwargs = random_variant(rng, batch, heads, max_length, max_length, most=3)
   shape = dict(batch=batch, seq_q=seq_q, max_length=max_length, lengths=lengths.tolist(),
                heads=heads, kv_heads=kv_heads, d=d, d_v=d_v, cache=cache)
   q, k, v = _random_qkv(seed, jnp.bfloat16, (batch, seq_q, heads, d),
