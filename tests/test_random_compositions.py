@@ -13,6 +13,7 @@ checks draw rings' variants there too). Compiled (`gpu`) at lengths up to
 600; in interpret mode four seeds at short lengths keep the drawing itself
 tested on CPU.
 """
+import contextlib
 import functools
 
 import jax
@@ -24,6 +25,7 @@ import pallas_attn as pa
 from conftest import assert_close, random
 from random_variants import random_variant
 from test_attention_backward import assert_gradient_close
+from test_fp8_prefill import dequantized
 
 COMPILED_SEEDS = range(32)
 INTERPRETED_SEEDS = range(4)
@@ -37,6 +39,15 @@ def on_host(fn, *args):
   """`fn(*args)` compiled and run on the host."""
   with jax.default_device(HOST):
     return jax.jit(fn)(*(jax.device_put(x, HOST) for x in args))
+
+
+@contextlib.contextmanager
+def described(what: str):
+  """Assertion errors prefixed with the drawn case."""
+  try:
+    yield
+  except AssertionError as error:
+    raise AssertionError(f"{what}: {error}") from None
 
 
 def _length(rng, short: bool) -> int:
@@ -99,14 +110,12 @@ def test_random_composition(seed, interpret):
   (_, out), grads = jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True)(q, k, v)
   (_, want), want_grads = on_host(
       jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True), q, k, v, cotangent)
-  assert out.dtype == dtype, what
-  try:
+  with described(what):
+    assert out.dtype == dtype
     assert_close(out, want, dtype)
     for got, wanted in zip(grads, want_grads):
       assert got.dtype == dtype
       assert_gradient_close(got, wanted, cotangent, dtype, factor=2.0)
-  except AssertionError as error:
-    raise AssertionError(f"{what}: {error}") from None
 
 
 @pytest.mark.gpu
@@ -118,12 +127,10 @@ def test_random_composition_fp8(seed):
   quantized = [pa.quantize_fp8(x) for x in (q, k, v)]
   (q8, qd), (k8, kd), (v8, vd) = quantized
   out = pa.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
-  real = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in quantized]
+  real = [dequantized(x, d) for x, d in quantized]
   want = on_host(lambda q, k, v: pa.attention_reference(q, k, v, **kwargs), *real)
-  try:
+  with described(what):
     assert_close(out, want, jnp.bfloat16, factor=4)
-  except AssertionError as error:
-    raise AssertionError(f"{what}: {error}") from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,9 +174,8 @@ def _paged(x, rng, page_size: int):
   batch, length = x.shape[:2]
   per_row = -(-length // page_size)
   x = jnp.pad(x, ((0, 0), (0, per_row * page_size - length), (0, 0), (0, 0)))
-  order = rng.permutation(batch * per_row)
-  pages = jnp.zeros((batch * per_row, page_size, *x.shape[2:]), x.dtype)
-  pages = pages.at[order].set(x.reshape(batch * per_row, page_size, *x.shape[2:]))
+  order = rng.permutation(batch * per_row)  # row-major page i goes to page order[i]
+  pages = x.reshape(batch * per_row, page_size, *x.shape[2:])[np.argsort(order)]
   return pages, jnp.asarray(order.reshape(batch, per_row), jnp.int32)
 
 
@@ -191,8 +197,7 @@ def test_random_decode(seed, cache, interpret):
   if cache == "fp8":
     (k, k_descale), (v, v_descale) = pa.quantize_fp8(k), pa.quantize_fp8(v)
     descales = dict(k_descale=k_descale, v_descale=v_descale)
-    real = [x.astype(jnp.float32) * d[:, None, :, None] for x, d in ((k, k_descale),
-                                                                     (v, v_descale))]
+    real = [dequantized(k, k_descale), dequantized(v, v_descale)]
   else:
     real = [k, v]
   if cache == "paged":
@@ -202,7 +207,5 @@ def test_random_decode(seed, cache, interpret):
     out = pa.decode_attention(q, k, v, lengths, interpret=interpret, **descales, **kwargs)
   want = on_host(lambda q, k, v, lengths: decode_reference(
       *(x.astype(jnp.float32) for x in (q, k, v)), lengths, **kwargs), q, *real, lengths)
-  try:
+  with described(what):
     assert_close(out, want, jnp.bfloat16)
-  except AssertionError as error:
-    raise AssertionError(f"{what}: {error}") from None
